@@ -1,0 +1,313 @@
+"""Qwen3-TTS talker and code predictor: config dataclasses and lean modules with static KV caches.
+
+Parameter names are the official checkpoint's (`talker.model.layers.0.self_attn.q_proj.weight`, ...),
+so `model.safetensors` loads with `load_state_dict(strict=True)`.
+
+Numerics follow the reference: RMSNorm variance in float32, RoPE cos/sin computed in float32 and
+cast to the activation dtype (shared/reference: vllm-omni PR 2277). The talker's M-RoPE uses three
+position axes, but text-to-speech feeds the same position on all three, and M-RoPE with equal axes
+is exactly 1-D RoPE, so 1-D RoPE is what runs here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
+
+
+def _known_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+def _rope_theta(data: dict[str, Any], default: float) -> float:
+    if "rope_theta" in data:
+        return float(data["rope_theta"])
+    return float((data.get("rope_parameters") or {}).get("rope_theta", default))
+
+
+@dataclass
+class CodePredictorConfig:
+    vocab_size: int = 2048
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    num_code_groups: int = 16
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CodePredictorConfig":
+        return cls(**{**_known_fields(cls, data), "rope_theta": _rope_theta(data, cls.rope_theta)})
+
+
+@dataclass
+class TalkerConfig:
+    code_predictor_config: CodePredictorConfig = field(default_factory=CodePredictorConfig)
+    vocab_size: int = 3072
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    num_code_groups: int = 16
+    text_hidden_size: int = 2048
+    text_vocab_size: int = 151936
+    codec_eos_token_id: int = 2150
+    codec_think_id: int = 2154
+    codec_nothink_id: int = 2155
+    codec_think_bos_id: int = 2156
+    codec_think_eos_id: int = 2157
+    codec_pad_id: int = 2148
+    codec_bos_id: int = 2149
+    spk_id: dict[str, int] = field(default_factory=dict)
+    spk_is_dialect: dict[str, str | bool] = field(default_factory=dict)
+    codec_language_id: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TalkerConfig":
+        values = _known_fields(cls, data)
+        values["code_predictor_config"] = CodePredictorConfig.from_dict(data.get("code_predictor_config") or {})
+        values["rope_theta"] = _rope_theta(data, cls.rope_theta)
+        values["spk_id"] = dict(data.get("spk_id") or {})
+        values["spk_is_dialect"] = dict(data.get("spk_is_dialect") or {})
+        values["codec_language_id"] = dict(data.get("codec_language_id") or {})
+        return cls(**values)
+
+
+@dataclass
+class TTSConfig:
+    talker_config: TalkerConfig
+    speaker_encoder_config: SpeakerEncoderConfig
+    tts_model_type: str
+    tts_model_size: str
+    tokenizer_type: str = "qwen3_tts_tokenizer_12hz"
+    im_start_token_id: int = 151644
+    im_end_token_id: int = 151645
+    tts_pad_token_id: int = 151671
+    tts_bos_token_id: int = 151672
+    tts_eos_token_id: int = 151673
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TTSConfig":
+        values = _known_fields(cls, data)
+        values["talker_config"] = TalkerConfig.from_dict(data.get("talker_config") or {})
+        values["speaker_encoder_config"] = SpeakerEncoderConfig.from_dict(data.get("speaker_encoder_config") or {})
+        return cls(**values)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Variance in float32 whatever the activation dtype: the reference does, and bf16 here is audible.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_positions, head_dim] in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, L, D]; cos, sin: [L, D] already in x's dtype
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # input_pos: [L]; k, v: [B, H_kv, L, D]
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, length, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, length, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.kv_cache.update(input_pos, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, eps)
+        self.mlp = MLP(hidden, intermediate)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """A Qwen3 decoder stack over a static KV cache; `input_pos` is a device tensor, never a Python int."""
+
+    def __init__(self, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, eps: float, rope_theta: float):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(hidden, intermediate, heads, kv_heads, head_dim, eps) for _ in range(layers))
+        self.norm = RMSNorm(hidden, eps)
+        self.kv_heads, self.head_dim, self.rope_theta = kv_heads, head_dim, rope_theta
+        self.max_seq = 0
+
+    def setup_caches(self, batch: int, max_seq: int) -> None:
+        weight = self.norm.weight
+        self.max_seq = max_seq
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(batch, self.kv_heads, max_seq, self.head_dim, weight.dtype, weight.device)
+        cos, sin = rope_tables(self.head_dim, self.rope_theta, max_seq, weight.device)
+        self.register_buffer("rope_cos", cos.to(weight.dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(weight.dtype), persistent=False)
+        self.register_buffer("key_pos", torch.arange(max_seq, device=weight.device), persistent=False)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        # x: [B, L, hidden]; input_pos: [L]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        mask = self.key_pos[None, :] <= input_pos[:, None]  # also hides cache slots not yet written
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, input_pos)
+        return self.norm(x)
+
+
+class ResizeMLP(nn.Module):
+    def __init__(self, inp: int, intermediate: int, out: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(inp, intermediate, bias=True)
+        self.linear_fc2 = nn.Linear(intermediate, out, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class CodePredictorModel(Transformer):
+    def __init__(self, config: CodePredictorConfig, embedding_dim: int):
+        c = config
+        super().__init__(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta)
+        self.codec_embedding = nn.ModuleList(nn.Embedding(c.vocab_size, embedding_dim) for _ in range(c.num_code_groups - 1))
+
+
+class CodePredictor(nn.Module):
+    """Predicts codebooks 1..15 of a frame from the talker's hidden state and codebook 0."""
+
+    def __init__(self, config: CodePredictorConfig, talker_hidden: int):
+        super().__init__()
+        self.config = config
+        self.model = CodePredictorModel(config, talker_hidden)
+        self.lm_head = nn.ModuleList(nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_code_groups - 1))
+        if config.hidden_size != talker_hidden:
+            self.small_to_mtp_projection = nn.Linear(talker_hidden, config.hidden_size, bias=True)
+        else:
+            self.small_to_mtp_projection = nn.Identity()
+
+    def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor, head: int) -> torch.Tensor:
+        """embeds: [B, L, talker_hidden] -> logits of codebook `head + 1` at the last position [B, vocab]."""
+        hidden = self.model(self.small_to_mtp_projection(embeds), input_pos)
+        return self.lm_head[head](hidden[:, -1])
+
+
+class TalkerModel(Transformer):
+    def __init__(self, config: TalkerConfig):
+        c = config
+        super().__init__(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta)
+        self.codec_embedding = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.text_embedding = nn.Embedding(c.text_vocab_size, c.text_hidden_size)
+
+
+class Talker(nn.Module):
+    def __init__(self, config: TalkerConfig):
+        super().__init__()
+        self.config = config
+        self.model = TalkerModel(config)
+        self.text_projection = ResizeMLP(config.text_hidden_size, config.text_hidden_size, config.hidden_size)
+        self.codec_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.code_predictor = CodePredictor(config.code_predictor_config, config.hidden_size)
+
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """Text token ids [B, L] -> talker-space embeddings [B, L, hidden]."""
+        return self.text_projection(self.model.text_embedding(ids))
+
+    def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes [..., 16] -> the sum of their 16 codebook embeddings [..., hidden]."""
+        tables = [self.model.codec_embedding, *self.code_predictor.model.codec_embedding]
+        # One stacked sum, not 15 running adds: the same float rounding as the reference.
+        return torch.stack([table(codes[..., i]) for i, table in enumerate(tables)], dim=-2).sum(-2)
+
+    def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds [B, L, hidden] -> (last hidden state after the final norm [B, hidden], codec logits [B, vocab])."""
+        hidden = self.model(embeds, input_pos)[:, -1]
+        return hidden, self.codec_head(hidden)
+
+
+class Qwen3TTS(nn.Module):
+    """The top-level module of a checkpoint's `model.safetensors`: talker and, for Base models, the speaker encoder."""
+
+    def __init__(self, config: TTSConfig):
+        super().__init__()
+        self.config = config
+        self.talker = Talker(config.talker_config)
+        self.speaker_encoder = SpeakerEncoder(config.speaker_encoder_config) if config.tts_model_type == "base" else None
+
+    def setup_caches(self, prompt_and_frames: int) -> None:
+        """Static KV caches: the talker's for a whole utterance, the code predictor's for one frame."""
+        self.talker.model.setup_caches(1, prompt_and_frames)
+        self.talker.code_predictor.model.setup_caches(1, self.config.talker_config.num_code_groups)
