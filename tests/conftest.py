@@ -2,5 +2,37 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+import soundfile as sf
+
 if importlib.util.find_spec("torchaudio") is None:
+    # Import-only placeholder for the reference package; see tests/reference_shims/torchaudio/__init__.py.
     sys.path.append(str(Path(__file__).parent / "reference_shims"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """Tiny random checkpoints in the official layout, one per model type, written once per session."""
+    from pipeline.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: write_tiny_checkpoint(root / kind, kind, seed=0) for kind in ("base", "custom_voice", "voice_design")}
+
+
+def voice_like(seconds: float, sample_rate: int = 24000, seed: int = 0) -> np.ndarray:
+    """A deterministic voice-like test signal: a gliding harmonic series with noise and syllable-rate envelope."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    f0 = 140 + 30 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / sample_rate
+    wave = sum(np.sin(k * phase) / k for k in range(1, 8))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2
+    return (0.2 * envelope * wave + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+@pytest.fixture(scope="session")
+def reference_wav(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("audio") / "reference.wav"
+    sf.write(path, voice_like(3.2), 24000, subtype="FLOAT")
+    return path
