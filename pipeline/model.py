@@ -306,8 +306,3 @@ class Qwen3TTS(nn.Module):
         self.config = config
         self.talker = Talker(config.talker_config)
         self.speaker_encoder = SpeakerEncoder(config.speaker_encoder_config) if config.tts_model_type == "base" else None
-
-    def setup_caches(self, prompt_and_frames: int) -> None:
-        """Static KV caches: the talker's for a whole utterance, the code predictor's for one frame."""
-        self.talker.model.setup_caches(1, prompt_and_frames)
-        self.talker.code_predictor.model.setup_caches(1, self.config.talker_config.num_code_groups)
