@@ -9,9 +9,7 @@ import math
 import warnings
 from pathlib import Path
 
-import librosa
 import numpy as np
-import soundfile as sf
 
 from pipeline.errors import TTSInputError
 
@@ -47,6 +45,8 @@ def load_reference_audio(source: AudioSource) -> np.ndarray:
     wav = _to_mono(wav)
     _validate(wav, sr)
     if sr != SAMPLE_RATE:
+        import librosa  # imported where used: in-memory 24 kHz audio needs neither librosa nor soundfile
+
         wav = librosa.resample(wav, orig_sr=sr, target_sr=SAMPLE_RATE)  # soxr_hq, as the reference
     return np.ascontiguousarray(wav, dtype=np.float32)
 
@@ -56,6 +56,9 @@ def _read_file(path: Path) -> tuple[np.ndarray, int]:
         raise TTSInputError(f"The reference audio file {path} does not exist.")
     if not path.is_file():
         raise TTSInputError(f"The reference audio path {path} is a directory, not an audio file.")
+    import librosa
+    import soundfile as sf
+
     try:
         wav, sr = sf.read(str(path), dtype="float32", always_2d=True)  # [samples, channels]
         return wav, int(sr)

@@ -11,7 +11,7 @@ import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import librosa
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,12 +81,31 @@ def tiny_speaker_encoder_config(enc_dim: int = 24) -> dict[str, Any]:
     ).to_dict()
 
 
+def _hz_to_slaney_mel(hz: np.ndarray) -> np.ndarray:
+    # Slaney's auditory scale: linear below 1 kHz, logarithmic above.
+    linear = hz / (200.0 / 3)
+    log_part = 15.0 + np.log(np.maximum(hz, 1e-10) / 1000.0) / (np.log(6.4) / 27.0)
+    return np.where(hz >= 1000.0, log_part, linear)
+
+
+def _slaney_mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    return np.where(mel >= 15.0, 1000.0 * np.exp((np.log(6.4) / 27.0) * (mel - 15.0)), (200.0 / 3) * mel)
+
+
 @functools.lru_cache(maxsize=8)
 def _mel_basis(sample_rate: int, n_fft: int, n_mels: int, fmin: float, fmax: float) -> torch.Tensor:
-    # Cached on CPU in float32, not a module buffer: .to(bfloat16) must not touch it, and
-    # meta-device loading must not lose it.
-    basis = librosa.filters.mel(sr=sample_rate, n_fft=n_fft, n_mels=n_mels, fmin=fmin, fmax=fmax)
-    return torch.from_numpy(basis).float()  # [n_mels, n_fft // 2 + 1]
+    """Slaney-scale, Slaney-normalised triangular filters [n_mels, n_fft // 2 + 1] (librosa's default bank).
+
+    Cached on CPU in float32, not a module buffer: .to(bfloat16) must not touch it, and
+    meta-device loading must not lose it.
+    """
+    bins = np.linspace(0.0, sample_rate / 2, 1 + n_fft // 2)
+    edges = _slaney_mel_to_hz(np.linspace(_hz_to_slaney_mel(np.array(fmin)), _hz_to_slaney_mel(np.array(fmax)), n_mels + 2))
+    widths = np.diff(edges)
+    rising = (bins[None, :] - edges[:-2, None]) / widths[:-1, None]
+    falling = (edges[2:, None] - bins[None, :]) / widths[1:, None]
+    filters = np.maximum(0.0, np.minimum(rising, falling)) * (2.0 / (edges[2:] - edges[:-2]))[:, None]
+    return torch.from_numpy(filters.astype(np.float32))
 
 
 def mel_spectrogram(

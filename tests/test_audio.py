@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from pipeline import audio
 from pipeline.audio import SAMPLE_RATE, load_reference_audio
 from pipeline.errors import TTSInputError
 
@@ -79,7 +78,7 @@ def test_librosa_fallback_when_soundfile_fails(tmp_path: Path, monkeypatch: pyte
     def unreadable(*args, **kwargs):
         raise sf.LibsndfileError(1, "Format not recognised: ")
 
-    monkeypatch.setattr(audio.sf, "read", unreadable)
+    monkeypatch.setattr(sf, "read", unreadable)
     np.testing.assert_array_equal(load_reference_audio(path), expected)
 
 

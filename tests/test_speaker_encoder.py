@@ -124,3 +124,14 @@ def test_embed_rejects_bad_input():
         ours.embed(torch.zeros(2, 24000))
     with pytest.raises(ValueError, match="at least"):
         ours.embed(torch.zeros(500))
+
+
+def test_mel_filter_bank_equals_librosa():
+    """Ours is computed without librosa (the GPU image lacks it); it must be librosa's default Slaney bank."""
+    import librosa
+
+    from pipeline.speaker_encoder import _mel_basis
+
+    for sr, n_fft, n_mels, fmax in ((24000, 1024, 128, 12000.0), (16000, 512, 80, 7600.0)):
+        expected = librosa.filters.mel(sr=sr, n_fft=n_fft, n_mels=n_mels, fmin=0.0, fmax=fmax)
+        assert np.abs(_mel_basis(sr, n_fft, n_mels, 0.0, fmax).numpy() - expected).max() <= 1e-7
