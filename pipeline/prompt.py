@@ -115,13 +115,13 @@ def _icl_body(
     non_streaming_text: bool,
     codec_pad: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference transcript + text against codec_bos + the reference frames. Returns (prefill part, trailing text)."""
+    """Reference transcript + text against codec_bos + the reference frames. Returns (prefill part, trailing text), both [1, n, hidden]."""
     ref_body = icl.text_ids[:, ROLE_TOKENS:-REF_TAIL_TOKENS]
     text = torch.cat([talker.embed_text(torch.cat([ref_body, text_body], dim=1)), tts_eos], dim=1)
     codes = torch.cat([bos, talker.embed_codes(icl.codes.to(text.device))[None]], dim=1)
     if non_streaming_text:
-        return torch.cat([text + codec_pad, codes + tts_pad], dim=1), tts_pad[0]
+        return torch.cat([text + codec_pad, codes + tts_pad], dim=1), tts_pad
     if text.shape[1] > codes.shape[1]:
-        return text[:, : codes.shape[1]] + codes, text[0, codes.shape[1] :]
+        return text[:, : codes.shape[1]] + codes, text[:, codes.shape[1] :]
     padded = torch.cat([text, tts_pad.expand(-1, codes.shape[1] - text.shape[1], -1)], dim=1)
-    return padded + codes, tts_pad[0]
+    return padded + codes, tts_pad

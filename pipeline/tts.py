@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import random
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,10 +18,13 @@ from pipeline.loading import load_model, read_json, resolve_checkpoint, torch_de
 from pipeline.model import Qwen3TTS
 from pipeline.prompt import ICLReference, Prompt, assistant_text, build_prompt, instruct_text, reference_text
 from pipeline.speech_tokenizer import SpeechTokenizer
+from pipeline.stream import DEFAULT_SCHEDULE, StreamRun, split_text
 
 log = logging.getLogger(__name__)
 
-MAX_TEXT_CHARS = 2000
+MAX_TEXT_CHARS = 5000
+DEFAULT_MAX_SEQ = 2048  # talker positions per segment: prompt + up to ~2.5 min of audio; long texts are split
+OFFLINE_CHUNK = 64  # frames per vocoder call when nobody is listening live
 SAMPLES_PER_FRAME = 1920
 MODEL_TYPES = ("base", "custom_voice", "voice_design")
 
@@ -55,7 +60,16 @@ class Synthesis:
 
 
 class TTS:
-    def __init__(self, model: Qwen3TTS, text_tokenizer, speech_tokenizer: SpeechTokenizer, generation_config: dict, name: str):
+    def __init__(
+        self,
+        model: Qwen3TTS,
+        text_tokenizer,
+        speech_tokenizer: SpeechTokenizer,
+        generation_config: dict,
+        name: str,
+        max_seq: int = DEFAULT_MAX_SEQ,
+        use_cuda_graphs: bool = True,
+    ):
         self.model = model
         self.config = model.config
         self.text_tokenizer = text_tokenizer
@@ -64,11 +78,15 @@ class TTS:
         self.name = name
         self.device = model.talker.codec_head.weight.device
         self.dtype = model.talker.codec_head.weight.dtype
+        self.lock = threading.Lock()  # one utterance at a time: the static caches belong to it
+        self.max_seq = max_seq
+        self.use_cuda_graphs = use_cuda_graphs
+        self.decoder: FrameDecoder | None = None
         if self.model_type not in MODEL_TYPES:
             raise TTSInputError(f"Unknown tts_model_type '{self.model_type}' in config.json: expected one of {', '.join(MODEL_TYPES)}.")
 
     @classmethod
-    def from_pretrained(cls, source: str, device: str = "cpu", dtype: str = "float32") -> "TTS":
+    def from_pretrained(cls, source: str, device: str = "cpu", dtype: str = "float32", **options) -> "TTS":
         """Load from a Hugging Face Hub id or a local directory in the official layout."""
         from transformers import AutoTokenizer
 
@@ -77,7 +95,7 @@ class TTS:
         model = load_model(directory, torch_dev, torch_dt)
         speech_tokenizer = SpeechTokenizer.from_pretrained(directory / "speech_tokenizer", torch_dev, torch_dt)
         text_tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        return cls(model, text_tokenizer, speech_tokenizer, read_json(directory, "generation_config.json"), str(source))
+        return cls(model, text_tokenizer, speech_tokenizer, read_json(directory, "generation_config.json"), str(source), **options)
 
     @property
     def model_type(self) -> str:
@@ -199,18 +217,54 @@ class TTS:
         # The reference's max_new_tokens=N gives N-1 frames.
         return int(self.generation_config.get("max_new_tokens", 2048)) - 1
 
-    @torch.inference_mode()
-    def generate_codes(self, request: Request, sampling: SamplingConfig, max_frames: int | None = None, seed: int | None = None) -> Iterator[torch.Tensor]:
-        """Yield the 16 codes of each generated frame as soon as it exists."""
+    def frame_decoder(self, request: Request, sampling: SamplingConfig, seed: int | None) -> FrameDecoder:
+        """The model's decoder, loaded with this request; the caller holds `self.lock`."""
+        if self.decoder is None:
+            self.decoder = FrameDecoder(self.model.talker, self.max_seq, self.use_cuda_graphs)
+        prompt = request.prompt
+        self.decoder.reset(prompt.trailing_text, prompt.tts_pad, sampling, random.getrandbits(31) if seed is None else seed)
+        return self.decoder
+
+    def warm_up(self, sampling: SamplingConfig | None = None) -> None:
+        """Build the decoder and capture its CUDA graph for `sampling` now, not during someone's first request."""
+        speaker = self.speakers[0] if self.speakers else None
+        voice = VoicePrompt(torch.zeros(self.config.talker_config.hidden_size, dtype=self.dtype, device=self.device)) if self.model_type == "base" else None
+        request = self.prepare("Warm up.", speaker=speaker, voice_prompt=voice)
+        for _ in self.generate_codes(request, sampling or self.sampling(), max_frames=2, seed=0):
+            pass
+
+    def _max_frames(self, max_frames: int | None) -> int:
         max_frames = self.default_max_frames() if max_frames is None else max_frames
         if max_frames < 1:
             raise TTSInputError(f"max_frames must be at least 1 (got {max_frames}).")
-        prompt = request.prompt
-        self.model.setup_caches(prompt.prefill.shape[1] + max_frames + 1)
-        generator = torch.Generator(self.device)
-        generator.manual_seed(seed) if seed is not None else generator.seed()
-        decoder = FrameDecoder(self.model.talker, sampling, prompt.trailing_text, prompt.tts_pad, max_frames, generator)
-        yield from generate_frames(decoder, prompt.prefill, max_frames)
+        return max_frames
+
+    @torch.inference_mode()
+    def generate_codes(self, request: Request, sampling: SamplingConfig, max_frames: int | None = None, seed: int | None = None) -> Iterator[torch.Tensor]:
+        """Yield the 16 codes of each generated frame, one host sync per frame (see `stream` for the fast path)."""
+        max_frames = self._max_frames(max_frames)
+        with self.lock:
+            decoder = self.frame_decoder(request, sampling, seed)
+            max_frames = min(max_frames, decoder.max_frames(request.prompt.prefill.shape[1]))
+            yield from generate_frames(decoder, request.prompt.prefill, max_frames)
+
+    def stream(
+        self,
+        text: str,
+        language: str = "auto",
+        speaker: str | None = None,
+        instruct: str | None = None,
+        voice_prompt: VoicePrompt | None = None,
+        sampling: SamplingConfig | None = None,
+        max_frames: int | None = None,
+        seed: int | None = None,
+        schedule: Sequence[int] = DEFAULT_SCHEDULE,
+    ) -> StreamRun:
+        """Validate now (errors raise here), then stream `Chunk`s; long texts go segment by segment in one voice."""
+        # Unsplittable text (empty, too long) goes to prepare() whole, which says what is wrong with it.
+        segments = (split_text(text) if len(text or "") <= MAX_TEXT_CHARS else []) or [text]
+        requests = [self.prepare(segment, language, speaker, instruct, voice_prompt) for segment in segments]
+        return StreamRun(self, requests, sampling or self.sampling(), self._max_frames(max_frames), seed, schedule)
 
     def sampling(self, greedy: bool = False, **overrides) -> SamplingConfig:
         config = SamplingConfig.from_generation_config(self.generation_config, **overrides)
@@ -235,9 +289,11 @@ class TTS:
         max_frames: int | None = None,
         seed: int | None = None,
     ) -> Synthesis:
-        request = self.prepare(text, language, speaker, instruct, voice_prompt)
-        frames = list(self.generate_codes(request, sampling or self.sampling(), max_frames, seed))
-        if not frames:
+        """Offline synthesis: the streamed chunks of `stream`, joined."""
+        run = self.stream(text, language, speaker, instruct, voice_prompt, sampling, max_frames, seed, schedule=(OFFLINE_CHUNK,))
+        warnings = [w for request in run.requests for w in request.warnings]
+        chunks = list(run)
+        if not chunks:
             raise TTSInputError("The model ended the utterance before producing any audio; try another seed or text.")
-        codes = torch.stack(frames)
-        return Synthesis(self.decode(codes, request.ref_codes), self.sample_rate, codes.cpu().numpy(), request.warnings)
+        audio = np.concatenate([c.audio for c in chunks])
+        return Synthesis(audio, self.sample_rate, run.codes_out.numpy(), list(dict.fromkeys(warnings)))

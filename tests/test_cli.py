@@ -1,0 +1,185 @@
+"""The command-line contract: `python -m pipeline synth` for every mode, `make-tiny`, and one clear error per bad input."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from pipeline.__main__ import EXIT_BAD_CHECKPOINT, EXIT_BAD_INPUT, main
+from pipeline.tts import MAX_TEXT_CHARS, SAMPLES_PER_FRAME, TTS
+
+from conftest import voice_like
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
+    )
+
+
+MODE_FLAGS = {
+    "custom_voice": ("custom_voice", ["--speaker", "Ryan", "--language", "English", "--instruct", "Cheerful."]),
+    "voice_design": ("voice_design", ["--instruct", "A calm, low female voice."]),
+    "icl_clone": ("base", ["--ref-text", "Speak slowly and warmly."]),
+    "xvector_clone": ("base", ["--x-vector-only"]),
+}
+
+
+@pytest.mark.parametrize("mode", MODE_FLAGS)
+def test_synth_writes_wav_and_codes_for_every_mode(mode, tiny_checkpoints, reference_wav, tmp_path):
+    kind, flags = MODE_FLAGS[mode]
+    if kind == "base":
+        flags = ["--ref-audio", str(reference_wav), *flags]
+    out, codes_out = tmp_path / "out.wav", tmp_path / "codes.npy"
+    result = run_cli(
+        "synth", "--model", str(tiny_checkpoints[kind]), "--text", "Hello there, tiny model.", *flags,
+        "--greedy", "--max-frames", "12", "--out", str(out), "--codes-out", str(codes_out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "frames: 12" in result.stdout and "RTF:" in result.stdout
+    audio, rate = sf.read(out, dtype="float32")
+    codes = np.load(codes_out)
+    assert rate == 24000 and audio.shape == (12 * SAMPLES_PER_FRAME,)
+    assert codes.dtype == np.int64 and codes.shape == (12, 16)
+    # The same request through the library gives the same codes: the CLI adds nothing of its own.
+    tts = TTS.from_pretrained(str(tiny_checkpoints[kind]))
+    voice = None
+    if kind == "base":
+        voice = tts.create_voice_prompt(str(reference_wav), "Speak slowly and warmly." if mode == "icl_clone" else None, mode == "xvector_clone")
+    kwargs = dict(speaker="Ryan", language="English", instruct="Cheerful.") if kind == "custom_voice" else {}
+    if kind == "voice_design":
+        kwargs = dict(instruct="A calm, low female voice.")
+    expected = tts.synthesize("Hello there, tiny model.", voice_prompt=voice, sampling=tts.sampling(greedy=True), max_frames=12, **kwargs)
+    assert np.array_equal(codes, expected.codes)
+    assert np.abs(audio - expected.audio).max() == 0
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_checkpoints):
+    tts = TTS.from_pretrained(str(tiny_checkpoints["voice_design"]))
+    run = lambda seed: tts.synthesize("Hello there.", instruct="Calm.", max_frames=10, seed=seed).codes
+    assert np.array_equal(run(3), run(3))
+    assert not np.array_equal(run(3), run(4))
+
+
+def test_make_tiny_writes_a_loadable_checkpoint(tmp_path, capsys):
+    assert main(["make-tiny", "--type", "voice_design", str(tmp_path / "vd"), "--seed", "1"]) == 0
+    tts = TTS.from_pretrained(str(tmp_path / "vd"))
+    assert tts.model_type == "voice_design"
+
+
+def cli_error(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def synth_args(tiny_checkpoints, tmp_path):
+    def make(kind: str, *extra: str) -> list[str]:
+        return ["synth", "--model", str(tiny_checkpoints[kind]), "--out", str(tmp_path / "o.wav"), "--max-frames", "3", *extra]
+
+    return make
+
+
+def test_empty_and_whitespace_text(capsys, synth_args):
+    for text in ("", "   \n\t"):
+        code, err = cli_error(capsys, *synth_args("voice_design", "--text", text))
+        assert code == EXIT_BAD_INPUT and "The text is empty" in err
+
+
+def test_text_over_the_limit(capsys, synth_args):
+    code, err = cli_error(capsys, *synth_args("voice_design", "--text", "a" * (MAX_TEXT_CHARS + 1)))
+    assert code == EXIT_BAD_INPUT and f"the limit is {MAX_TEXT_CHARS} characters" in err
+
+
+def test_unknown_speaker_lists_valid_ones(capsys, synth_args):
+    code, err = cli_error(capsys, *synth_args("custom_voice", "--text", "Hi.", "--speaker", "Bob"))
+    assert code == EXIT_BAD_INPUT and "Unknown speaker 'Bob'" in err and "ryan" in err and "vivian" in err
+
+
+def test_missing_speaker_on_custom_voice(capsys, synth_args):
+    code, err = cli_error(capsys, *synth_args("custom_voice", "--text", "Hi."))
+    assert code == EXIT_BAD_INPUT and "needs a speaker" in err
+
+
+def test_unsupported_language_lists_valid_ones(capsys, synth_args):
+    code, err = cli_error(capsys, *synth_args("voice_design", "--text", "Hi.", "--language", "Klingon"))
+    assert code == EXIT_BAD_INPUT and "Unsupported language 'Klingon'" in err and "english" in err
+    assert "sichuan_dialect" not in err, "dialects are chosen through speakers, not offered as languages"
+
+
+def test_instruction_on_a_checkpoint_that_ignores_it_warns(capsys, synth_args, reference_wav):
+    code = main(synth_args("base", "--text", "Hi.", "--ref-audio", str(reference_wav), "--x-vector-only", "--instruct", "Whisper."))
+    err = capsys.readouterr().err
+    assert code == 0 and "ignores instructions; the instruction was not used" in err
+
+
+def test_speaker_on_base_and_reference_audio_on_custom_voice(capsys, synth_args, reference_wav):
+    code, err = cli_error(capsys, *synth_args("base", "--text", "Hi.", "--ref-audio", str(reference_wav), "--x-vector-only", "--speaker", "ryan"))
+    assert code == EXIT_BAD_INPUT and "Preset speakers exist only on CustomVoice checkpoints" in err
+    code, err = cli_error(capsys, *synth_args("custom_voice", "--text", "Hi.", "--speaker", "ryan", "--ref-audio", str(reference_wav)))
+    assert code == EXIT_BAD_INPUT and "Reference audio is for Base (voice clone) checkpoints" in err
+
+
+def test_base_needs_reference_audio_and_icl_needs_transcript(capsys, synth_args, reference_wav):
+    code, err = cli_error(capsys, *synth_args("base", "--text", "Hi."))
+    assert code == EXIT_BAD_INPUT and "give --ref-audio" in err
+    code, err = cli_error(capsys, *synth_args("base", "--text", "Hi.", "--ref-audio", str(reference_wav)))
+    assert code == EXIT_BAD_INPUT and "needs the transcript of the reference audio" in err
+
+
+@pytest.mark.parametrize(
+    "make_file, message",
+    [
+        (lambda p: p.write_text("this is not audio"), "could not be read as audio"),
+        (lambda p: sf.write(p, voice_like(0.5), 24000), "must be at least 1 s"),
+        (lambda p: sf.write(p, np.zeros(48000, dtype=np.float32), 24000), "is silent"),
+        (lambda p: sf.write(p, voice_like(31.0), 24000), "may be at most 30 s"),
+    ],
+)
+def test_bad_reference_audio(capsys, synth_args, tmp_path, make_file, message):
+    path = tmp_path / "ref.wav"
+    make_file(path)
+    code, err = cli_error(capsys, *synth_args("base", "--text", "Hi.", "--ref-audio", str(path), "--x-vector-only"))
+    assert code == EXIT_BAD_INPUT and message in err
+
+
+def test_missing_reference_file(capsys, synth_args, tmp_path):
+    code, err = cli_error(capsys, *synth_args("base", "--text", "Hi.", "--ref-audio", str(tmp_path / "nope.wav"), "--x-vector-only"))
+    assert code == EXIT_BAD_INPUT and "nope.wav" in err
+
+
+def test_local_directory_missing_a_file_names_it(capsys, tiny_checkpoints, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in tiny_checkpoints["voice_design"].iterdir():
+        if item.name != "generation_config.json":
+            (broken / item.name).symlink_to(item)
+    code, err = cli_error(capsys, "synth", "--model", str(broken), "--text", "Hi.", "--out", str(tmp_path / "o.wav"))
+    assert code == EXIT_BAD_CHECKPOINT and "missing generation_config.json" in err
+
+
+def test_invalid_hub_id(capsys, tmp_path):
+    code, err = cli_error(capsys, "synth", "--model", "not//a valid id", "--text", "Hi.", "--out", str(tmp_path / "o.wav"))
+    assert code == EXIT_BAD_CHECKPOINT and "neither a local directory nor a valid Hugging Face Hub id" in err
+
+
+def test_unreachable_hub_and_empty_cache(tmp_path):
+    result = run_cli(
+        "synth", "--model", "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "--text", "Hi.", "--out", str(tmp_path / "o.wav"),
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )
+    assert result.returncode == EXIT_BAD_CHECKPOINT
+    assert "unreachable" in result.stderr and "not in the local cache" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unwritable_output_and_bad_max_frames(capsys, synth_args, tmp_path):
+    code, err = cli_error(capsys, *synth_args("voice_design", "--text", "Hi."), "--out", str(tmp_path / "no" / "such" / "dir.wav"))
+    assert code == EXIT_BAD_INPUT and "does not exist" in err
+    code, err = cli_error(capsys, *synth_args("voice_design", "--text", "Hi."), "--max-frames", "0")
+    assert code == EXIT_BAD_INPUT and "at least 1" in err
