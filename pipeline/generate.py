@@ -142,7 +142,7 @@ class FrameDecoder:
         logits[:, self.eos_id] = torch.where(frame < MIN_NEW_TOKENS, float("-inf"), logits[:, self.eos_id])
         noise = self._noise(frame, 0, self.vocab) if s.do_sample else None
         token = sample(logits, s.do_sample, s.temperature, s.top_k, s.top_p, noise)
-        self.seen[token] = True
+        self.seen.index_fill_(0, token, True)
         return token
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
@@ -176,7 +176,8 @@ class FrameDecoder:
 
     def _step(self) -> None:
         self.codes.copy_(self.predict_codebooks())
-        embed = self.talker.embed_codes(self.codes) + self.trailing[self.frame]
+        # index_select, not trailing[frame]: indexing by a 0-d tensor reads it on the host.
+        embed = self.talker.embed_codes(self.codes) + self.trailing.index_select(0, self.frame.view(1))[0]
         hidden, logits = self.talker(embed.view(1, 1, -1), self.pos)
         self.hidden.copy_(hidden)
         self.pos.add_(1)

@@ -34,6 +34,7 @@ __all__ = [
     "SpeechTokenizerConfig",
     "StreamState",
     "StreamingDecoder",
+    "randomize_speech_tokenizer_",
     "write_tiny_speech_tokenizer",
 ]
 
@@ -925,16 +926,10 @@ TINY_PREPROCESSOR_CONFIG = {
 
 
 @torch.no_grad()
-def write_tiny_speech_tokenizer(directory: Path, seed: int) -> None:
-    """Write `directory/speech_tokenizer/{config.json, preprocessor_config.json, model.safetensors}`:
-    a tiny random codec in the official layout, loadable by ours and by the reference."""
-    from safetensors.torch import save_file
-
+def randomize_speech_tokenizer_(model: "SpeechTokenizer", g: torch.Generator) -> None:
+    """Seeded random weights that behave like a codec's: used by the tiny checkpoints and the GPU benchmark."""
     from pipeline.tiny import randomize_
 
-    config = SpeechTokenizerConfig.from_dict(TINY_CONFIG)
-    model = SpeechTokenizer(config)
-    g = torch.Generator().manual_seed(seed)
     randomize_(model, g)
 
     def usage(n: int) -> torch.Tensor:
@@ -954,6 +949,18 @@ def write_tiny_speech_tokenizer(directory: Path, seed: int) -> None:
             m.initialized.fill_(1.0)
             m.cluster_usage.copy_(usage(len(m.cluster_usage)))
     _derive_all_(model)
+
+
+@torch.no_grad()
+def write_tiny_speech_tokenizer(directory: Path, seed: int) -> None:
+    """Write `directory/speech_tokenizer/{config.json, preprocessor_config.json, model.safetensors}`:
+    a tiny random codec in the official layout, loadable by ours and by the reference."""
+    from safetensors.torch import save_file
+
+    config = SpeechTokenizerConfig.from_dict(TINY_CONFIG)
+    model = SpeechTokenizer(config)
+    g = torch.Generator().manual_seed(seed)
+    randomize_speech_tokenizer_(model, g)
 
     # Encoder codebooks spread over what each of them quantizes (mean and spread per dimension, one
     # stage after the other), so that random audio gives varied codes in every codebook.
