@@ -89,7 +89,7 @@ def sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int
 class FrameDecoder:
     """Static buffers for one utterance at a time, and the per-frame step over them."""
 
-    def __init__(self, talker: Talker, max_seq: int, use_cuda_graphs: bool = True):
+    def __init__(self, talker: Talker, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False):
         config = talker.config
         self.talker, self.max_seq = talker, max_seq
         weight = talker.codec_head.weight
@@ -116,10 +116,20 @@ class FrameDecoder:
         self.sampling = SamplingConfig()
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.graphs: dict[SamplingConfig, torch.cuda.CUDAGraph] = {}
+        # The decode step may run compiled (fusing norms, RoPE, residuals and sampling into few
+        # kernels); prefill, whose length varies, always runs eagerly.
+        self.talker_stack, self.predictor_stack = talker.model, talker.code_predictor.model
+        self.sample, self.noise = sample, exponential_noise
+        if compiled:
+            options = dict(fullgraph=True, dynamic=False)
+            self.talker_stack = torch.compile(talker.model, **options)
+            self.predictor_stack = torch.compile(talker.code_predictor.model, **options)
+            self.sample, self.noise = torch.compile(sample, **options), torch.compile(exponential_noise, **options)
 
     def max_frames(self, prompt_length: int) -> int:
         return self.max_seq - prompt_length - 1
 
+    @torch.inference_mode()
     def reset(self, trailing_text: torch.Tensor, tts_pad: torch.Tensor, sampling: SamplingConfig, seed: int) -> None:
         """Copy a request into the static buffers: text fed alongside frame k (tts_pad once it runs out)."""
         self.trailing.copy_(tts_pad.expand_as(self.trailing))
@@ -130,7 +140,7 @@ class FrameDecoder:
         self.sampling = sampling
 
     def _noise(self, frame: torch.Tensor, offset: int, count: int) -> torch.Tensor:
-        return exponential_noise(self.seed_hash, frame * self.draws_per_frame + offset, count)
+        return self.noise(self.seed_hash, frame * self.draws_per_frame + offset, count)
 
     def _next_token(self, logits: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
         """Codebook-0 logits [1, V] of frame `frame` -> token [1], with the reference's logit processors."""
@@ -141,10 +151,11 @@ class FrameDecoder:
         logits = logits.masked_fill(self.suppressed, float("-inf"))
         logits[:, self.eos_id] = torch.where(frame < MIN_NEW_TOKENS, float("-inf"), logits[:, self.eos_id])
         noise = self._noise(frame, 0, self.vocab) if s.do_sample else None
-        token = sample(logits, s.do_sample, s.temperature, s.top_k, s.top_p, noise)
+        token = self.sample(logits, s.do_sample, s.temperature, s.top_k, s.top_p, noise)
         self.seen.index_fill_(0, token, True)
         return token
 
+    @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """prompt [1, L, hidden] -> first codebook-0 token [1]."""
         length = prompt.shape[1]
@@ -163,14 +174,14 @@ class FrameDecoder:
         noise = self._noise(self.frame, self.vocab, self.sub_steps * self.sub_vocab).view(self.sub_steps, -1) if s.subtalker_dosample else [None] * self.sub_steps
 
         def draw(logits: torch.Tensor, head: int) -> torch.Tensor:
-            return sample(logits.float(), s.subtalker_dosample, s.subtalker_temperature, s.subtalker_top_k, s.subtalker_top_p, noise[head])
+            return self.sample(logits.float(), s.subtalker_dosample, s.subtalker_temperature, s.subtalker_top_k, s.subtalker_top_p, noise[head])
 
         first = torch.stack((self.hidden, self.talker.model.codec_embedding(self.token)), dim=1)
-        token = draw(predictor(first, self.cp_pos[:2], head=0), 0)
+        token = draw(predictor(first, self.cp_pos[:2], head=0, stack=self.predictor_stack), 0)
         codes = [self.token, token]
         for head in range(1, self.sub_steps):
             embed = predictor.model.codec_embedding[head - 1](token)[:, None]
-            token = draw(predictor(embed, self.cp_pos[head + 1 : head + 2], head=head), head)
+            token = draw(predictor(embed, self.cp_pos[head + 1 : head + 2], head=head, stack=self.predictor_stack), head)
             codes.append(token)
         return torch.cat(codes)
 
@@ -178,12 +189,13 @@ class FrameDecoder:
         self.codes.copy_(self.predict_codebooks())
         # index_select, not trailing[frame]: indexing by a 0-d tensor reads it on the host.
         embed = self.talker.embed_codes(self.codes) + self.trailing.index_select(0, self.frame.view(1))[0]
-        hidden, logits = self.talker(embed.view(1, 1, -1), self.pos)
+        hidden, logits = self.talker(embed.view(1, 1, -1), self.pos, stack=self.talker_stack)
         self.hidden.copy_(hidden)
         self.pos.add_(1)
         self.frame.add_(1)
         self.token.copy_(self._next_token(logits, self.frame))
 
+    @torch.inference_mode()
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame: its 16 codes, then the talker step that yields the next codebook-0 token.
 

@@ -148,8 +148,9 @@ class KVCache(nn.Module):
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # input_pos: [L]; k, v: [B, H_kv, L, D]
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
+        # Index assignment, as gpt-fast: torch.compile turns it into an in-place scatter.
+        self.k[:, :, input_pos] = k
+        self.v[:, :, input_pos] = v
         return self.k, self.v
 
 
@@ -259,9 +260,12 @@ class CodePredictor(nn.Module):
         else:
             self.small_to_mtp_projection = nn.Identity()
 
-    def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor, head: int) -> torch.Tensor:
-        """embeds: [B, L, talker_hidden] -> logits of codebook `head + 1` at the last position [B, vocab]."""
-        hidden = self.model(self.small_to_mtp_projection(embeds), input_pos)
+    def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor, head: int, stack: nn.Module | None = None) -> torch.Tensor:
+        """embeds: [B, L, talker_hidden] -> logits of codebook `head + 1` at the last position [B, vocab].
+
+        `stack` replaces `self.model` with the same transformer compiled (the decode step passes it).
+        """
+        hidden = (self.model if stack is None else stack)(self.small_to_mtp_projection(embeds), input_pos)
         return self.lm_head[head](hidden[:, -1])
 
 
@@ -292,9 +296,12 @@ class Talker(nn.Module):
         # One stacked sum, not 15 running adds: the same float rounding as the reference.
         return torch.stack([table(codes[..., i]) for i, table in enumerate(tables)], dim=-2).sum(-2)
 
-    def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds [B, L, hidden] -> (last hidden state after the final norm [B, hidden], codec logits [B, vocab])."""
-        hidden = self.model(embeds, input_pos)[:, -1]
+    def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor, stack: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds [B, L, hidden] -> (last hidden state after the final norm [B, hidden], codec logits [B, vocab]).
+
+        `stack` replaces `self.model` with the same transformer compiled (the decode step passes it).
+        """
+        hidden = (self.model if stack is None else stack)(embeds, input_pos)[:, -1]
         return hidden, self.codec_head(hidden)
 
 

@@ -10,6 +10,7 @@ every frame, so work ends within one frame, and the threads are joined before th
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import threading
@@ -83,6 +84,28 @@ class _Stop(Exception):
     pass
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """Copy to CPU, waiting on a CUDA event: the wait releases the GIL, which `.cpu()` would hold,
+    starving the other worker thread for the whole time the GPU is busy."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host
+
+
+def _own_stream(device: torch.device):
+    """Each worker thread queues its GPU work on its own CUDA stream, after the work already queued."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
+
+
 class StreamRun:
     """One request's threads and queues; iterate to get Chunks, close() to cancel."""
 
@@ -95,6 +118,11 @@ class StreamRun:
         self.frames_generated = 0
         self.code_blocks: list[torch.Tensor] = []  # every generated frame, kept for the caller
         self.start = time.perf_counter()
+        # The model (decoder caches, vocoder state) is ours from the moment the generation thread
+        # takes tts.lock until both threads have finished; the last one out releases it.
+        self.holding = threading.Event()
+        self.active = 2
+        self.active_lock = threading.Lock()
         self.threads = [
             threading.Thread(target=self._guard, args=(self._generate, self.codes), name="tts-generate", daemon=True),
             threading.Thread(target=self._guard, args=(self._vocode, self.audio), name="tts-vocode", daemon=True),
@@ -111,6 +139,20 @@ class StreamRun:
             self._put(out, exc)
         finally:
             self._put(out, None)
+            self._leave()
+
+    def _leave(self) -> None:
+        with self.active_lock:
+            self.active -= 1
+            last = self.active == 0
+        if last and self.holding.is_set():
+            self.tts.lock.release()
+
+    def _wait(self, ready) -> None:
+        """Wait until `ready()` (polling), or raise _Stop as soon as the request is cancelled."""
+        while not ready():
+            if self.stop.is_set():
+                raise _Stop
 
     def _put(self, out: queue.Queue, item) -> None:
         while True:
@@ -122,14 +164,10 @@ class StreamRun:
                     return
 
     def _generate(self) -> None:
-        while not self.tts.lock.acquire(timeout=0.05):  # another request holds the model's caches
-            if self.stop.is_set():
-                raise _Stop
-        try:
-            with torch.inference_mode():
-                self._generate_segments()
-        finally:
-            self.tts.lock.release()
+        self._wait(lambda: self.tts.lock.acquire(timeout=0.05))  # another request may hold the model
+        self.holding.set()
+        with torch.inference_mode(), _own_stream(self.tts.device):
+            self._generate_segments()
 
     def _generate_segments(self) -> None:
         sizes = chunk_sizes(self.schedule)
@@ -151,7 +189,9 @@ class StreamRun:
                         raise _Stop
                     codes, token = decoder.step()
                     frames.append(codes.clone())
-                block = torch.stack(frames).cpu()  # one host sync per chunk, not per frame
+                # One host sync per chunk, not per frame; the next codebook-0 token rides along as a last row.
+                rows = to_host(torch.stack([*frames, token.expand(len(frames[0]))]))
+                block, next_token = rows[:-1], int(rows[-1, 0])
                 ended = (block[:, 0] == decoder.eos_id).nonzero()
                 if len(ended):
                     block = block[: int(ended[0])]
@@ -160,15 +200,17 @@ class StreamRun:
                     self.code_blocks.append(block)
                     self.codes.put((block, (time.perf_counter() - t0) * 1000.0))
                 t0 = time.perf_counter()
-                if len(ended) or int(token) == decoder.eos_id:
+                if len(ended) or next_token == decoder.eos_id:
                     break
             self.frames_generated += produced
 
     def _vocode(self) -> None:
         index, samples = 0, 0
         ref_codes = self.requests[0].ref_codes
-        with torch.inference_mode():
-            vocoder = self.tts.speech_tokenizer.stream_decoder()
+        self._wait(lambda: self.holding.wait(timeout=0.05))
+        with torch.inference_mode(), _own_stream(self.tts.device):
+            vocoder = self.tts.vocoder
+            vocoder.reset()
             if ref_codes is not None:
                 vocoder.prime(ref_codes.to(self.tts.device))
             while True:
@@ -179,7 +221,7 @@ class StreamRun:
                     raise item
                 block, generate_ms = item
                 t0 = time.perf_counter()
-                audio = vocoder.decode_chunk(block.to(self.tts.device)).float().cpu().numpy()
+                audio = to_host(vocoder.decode_chunk(block.to(self.tts.device)).float()).numpy()
                 now = time.perf_counter()
                 samples += audio.size
                 chunk = Chunk(index, audio, len(block), generate_ms, (now - t0) * 1000.0, (now - self.start) * 1000.0, samples / 24000)

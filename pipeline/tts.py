@@ -69,6 +69,7 @@ class TTS:
         name: str,
         max_seq: int = DEFAULT_MAX_SEQ,
         use_cuda_graphs: bool = True,
+        compiled: bool = False,
     ):
         self.model = model
         self.config = model.config
@@ -81,7 +82,9 @@ class TTS:
         self.lock = threading.Lock()  # one utterance at a time: the static caches belong to it
         self.max_seq = max_seq
         self.use_cuda_graphs = use_cuda_graphs
+        self.compiled = compiled
         self.decoder: FrameDecoder | None = None
+        self.vocoder = speech_tokenizer.stream_decoder(use_cuda_graphs=use_cuda_graphs)
         if self.model_type not in MODEL_TYPES:
             raise TTSInputError(f"Unknown tts_model_type '{self.model_type}' in config.json: expected one of {', '.join(MODEL_TYPES)}.")
 
@@ -220,7 +223,7 @@ class TTS:
     def frame_decoder(self, request: Request, sampling: SamplingConfig, seed: int | None) -> FrameDecoder:
         """The model's decoder, loaded with this request; the caller holds `self.lock`."""
         if self.decoder is None:
-            self.decoder = FrameDecoder(self.model.talker, self.max_seq, self.use_cuda_graphs)
+            self.decoder = FrameDecoder(self.model.talker, self.max_seq, self.use_cuda_graphs, self.compiled)
         prompt = request.prompt
         self.decoder.reset(prompt.trailing_text, prompt.tts_pad, sampling, random.getrandbits(31) if seed is None else seed)
         return self.decoder
@@ -232,6 +235,10 @@ class TTS:
         request = self.prepare("Warm up.", speaker=speaker, voice_prompt=voice)
         for _ in self.generate_codes(request, sampling or self.sampling(), max_frames=2, seed=0):
             pass
+        with torch.inference_mode():
+            for frames in range(1, max(DEFAULT_SCHEDULE) + 1):  # every chunk size a stream can ask for
+                self.vocoder.decode_chunk(torch.zeros(frames, 16, dtype=torch.long, device=self.device))
+            self.vocoder.reset()
 
     def _max_frames(self, max_frames: int | None) -> int:
         max_frames = self.default_max_frames() if max_frames is None else max_frames

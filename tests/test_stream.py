@@ -132,7 +132,7 @@ def test_worker_errors_reach_the_consumer(design, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("vocoder exploded")
 
-    monkeypatch.setattr(design.speech_tokenizer, "stream_decoder", broken)
+    monkeypatch.setattr(design.vocoder, "decode_chunk", broken)
     with pytest.raises(RuntimeError, match="vocoder exploded"):
         list(design.stream(TEXT, instruct="Calm.", max_frames=5))
     assert design.lock.acquire(blocking=False)

@@ -1,0 +1,361 @@
+"""Process-wide model service for the app: which checkpoint serves which tab, loaded once and shared.
+
+Every tab of the app asks this module for its model, its voice prompts and its audio stream; the
+UI holds no model and no tensor. Loading is lazy (a tab's checkpoint loads when the tab is first
+used), once per process per checkpoint, and thread-safe. A checkpoint that cannot be had (no
+network and not cached, a bad directory) is replaced by the tiny random checkpoint of the same
+type, and the reason is kept for the app's banner: a demo that starts and says why its audio is
+noise beats one that does not start.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pipeline.errors import CheckpointError, TTSInputError
+from pipeline.stream import Chunk, StreamRun, parse_schedule
+from pipeline.tts import TTS, VoicePrompt
+
+log = logging.getLogger(__name__)
+
+MODEL_TYPES = ("base", "custom_voice", "voice_design")
+# The official checkpoints per model type; the first is each tab's default.
+HUB_CHECKPOINTS: dict[str, tuple[str, ...]] = {
+    "base": ("Qwen/Qwen3-TTS-12Hz-0.6B-Base", "Qwen/Qwen3-TTS-12Hz-1.7B-Base"),
+    "custom_voice": ("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"),
+    "voice_design": ("Qwen/Qwen3-TTS-12Hz-1.7B-VoiceDesign",),
+}
+TYPE_ALIASES = {"clone": "base", "voice_clone": "base", "custom": "custom_voice", "design": "voice_design"}
+TINY = "tiny"  # the checkpoint name that selects the built-in tiny random checkpoint of a tab's type
+MAX_UPLOAD_BYTES = 50 * 1024 * 1024
+VOICE_PROMPT_CACHE = 32  # voice prompts kept (a few kB to a few hundred kB each)
+
+
+def parse_models(specs: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """['base=Qwen/...-1.7B-Base', 'custom=a,b'] -> checkpoint choices per model type (first = default)."""
+    choices: dict[str, tuple[str, ...]] = {}
+    for spec in specs:
+        kind, sep, sources = spec.partition("=")
+        kind = TYPE_ALIASES.get(kind.strip().lower(), kind.strip().lower())
+        names = tuple(s.strip() for s in sources.split(",") if s.strip())
+        if not sep or kind not in MODEL_TYPES or not names:
+            raise ValueError(
+                f"--models takes TYPE=CHECKPOINT[,CHECKPOINT...] with TYPE one of {', '.join(MODEL_TYPES)} "
+                f"(or clone, custom, design), not '{spec}'."
+            )
+        choices[kind] = names
+    return choices
+
+
+def content_hash(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gpu(fn: Callable) -> Callable:
+    """`spaces.GPU` on Hugging Face ZeroGPU Spaces (where the package exists), a no-op elsewhere."""
+    try:
+        import spaces
+    except ImportError:
+        return fn
+    return spaces.GPU(fn)
+
+
+@dataclass
+class Fallback:
+    """A checkpoint that could not be had, and the tiny random one serving in its place."""
+
+    model_type: str
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a tab shows about its checkpoint: the choices it offers and whether its weights are real."""
+
+    checkpoint: str
+    model_type: str
+    speakers: list[str]
+    languages: list[str]
+    supports_instruct: bool
+    random_weights: bool
+
+
+@dataclass
+class StreamStart:
+    """The first item of `ModelService.stream`: what serves the request and what the user should know."""
+
+    checkpoint: str
+    random_weights: bool
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SpeechRequest:
+    """One generation as the app's forms describe it; None means the checkpoint's default."""
+
+    model_type: str
+    text: str
+    checkpoint: str | None = None
+    language: str = "auto"
+    speaker: str | None = None
+    instruct: str | None = None
+    ref_audio: str | None = None  # a file path (what the app's audio input gives)
+    ref_text: str | None = None
+    x_vector_only: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    schedule: str = "1, 2, 4, 8, 16"
+    max_frames: int | None = None
+
+
+class ModelService:
+    """Lazy, shared, thread-safe checkpoints per model type, voice prompts by content, and stoppable streams."""
+
+    def __init__(
+        self,
+        choices: dict[str, tuple[str, ...]] | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        tiny: bool = False,
+        tiny_dir: str | Path | None = None,
+    ):
+        merged = dict(HUB_CHECKPOINTS)
+        merged.update(choices or {})
+        self.choices = {kind: (TINY,) for kind in MODEL_TYPES} if tiny else merged
+        self.device, self.dtype = device, dtype
+        self._tiny_root = Path(tiny_dir) if tiny_dir else Path(tempfile.mkdtemp(prefix="qwen3-tts-tiny-"))
+        self._models: dict[tuple[str, str], TTS] = {}  # (model type, checkpoint) -> model
+        self._load_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._lock = threading.Lock()  # guards the dicts, never held during a load
+        self._tiny_lock = threading.Lock()  # one writer of the tiny checkpoints at a time
+        self.fallbacks: dict[str, Fallback] = {}
+        self._voice_prompts: OrderedDict[tuple, VoicePrompt] = OrderedDict()
+        self._streams: dict[str, StreamRun] = {}
+        # On ZeroGPU Spaces each stream runs in the GPU worker that `spaces.GPU` hands it to.
+        self.stream = gpu(self.stream)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def default_checkpoint(self, model_type: str) -> str:
+        return self.choices[model_type][0]
+
+    def random_weights(self, model_type: str, checkpoint: str | None = None) -> bool:
+        source = checkpoint or self.default_checkpoint(model_type)
+        return source == TINY or source in self.fallbacks
+
+    def probe(self, timeout: float = 5.0) -> None:
+        """Fall back now for default Hub checkpoints that are neither cached nor reachable, so the
+        banner is up from the first page view instead of after a failed download."""
+        for model_type in MODEL_TYPES:
+            source = self.default_checkpoint(model_type)
+            if source == TINY or Path(source).expanduser().exists():
+                continue
+            reason = hub_unavailable_reason(source, timeout)
+            if reason:
+                self._fall_back(model_type, source, reason)
+
+    def is_loaded(self, model_type: str, checkpoint: str | None = None) -> bool:
+        return (model_type, checkpoint or self.default_checkpoint(model_type)) in self._models
+
+    def info(self, model_type: str, checkpoint: str | None = None) -> ModelInfo:
+        """Load the checkpoint if needed and describe it for the tab."""
+        source = checkpoint or self.default_checkpoint(model_type)
+        tts = self.model(model_type, source)
+        return ModelInfo(source, model_type, tts.speakers, tts.languages, tts.supports_instruct, self.random_weights(model_type, source))
+
+    def preload(self) -> None:
+        """Load every tab's default checkpoint now (ZeroGPU Spaces must place weights before serving)."""
+        for model_type in MODEL_TYPES:
+            self.model(model_type)
+
+    def model(self, model_type: str, checkpoint: str | None = None) -> TTS:
+        """The loaded model for `checkpoint` (default: the tab's first); loads it on first use."""
+        source = checkpoint or self.default_checkpoint(model_type)
+        if source not in self.choices[model_type]:
+            raise TTSInputError(f"'{source}' is not one of this app's {model_type} checkpoints: {', '.join(self.choices[model_type])}.")
+        key = (model_type, source)  # "tiny" names a different checkpoint for each type
+        with self._lock:
+            if key in self._models:
+                return self._models[key]
+            load_lock = self._load_locks.setdefault(key, threading.Lock())
+        with load_lock:  # one load per checkpoint; other callers wait for it rather than load twice
+            if key not in self._models:
+                tts = self._load(model_type, source)
+                with self._lock:
+                    self._models[key] = tts
+        return self._models[key]
+
+    def _load(self, model_type: str, source: str) -> TTS:
+        if source == TINY or source in self.fallbacks:
+            return self._tiny(model_type)
+        log.info("loading %s checkpoint %s on %s (%s)", model_type, source, self.device, self.dtype)
+        try:
+            tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype)
+        except CheckpointError as exc:
+            self._fall_back(model_type, source, str(exc))
+            return self._tiny(model_type)
+        if tts.model_type != model_type:
+            self._fall_back(model_type, source, f"it is a {tts.model_type} checkpoint, not {model_type}")
+            return self._tiny(model_type)
+        return tts
+
+    def _fall_back(self, model_type: str, source: str, reason: str) -> None:
+        log.warning("%s: %s; serving the tiny random %s checkpoint instead", source, reason, model_type)
+        with self._lock:
+            self.fallbacks[source] = Fallback(model_type, source, reason)
+
+    def _tiny(self, model_type: str) -> TTS:
+        from pipeline.tiny import write_tiny_checkpoint
+
+        key = (model_type, f"{TINY}:{model_type}")  # shared by the "tiny" choice and every fallback
+        with self._tiny_lock:
+            if key not in self._models:
+                directory = self._tiny_root / model_type
+                if not directory.is_dir():  # written aside and renamed: a failed write leaves no half checkpoint
+                    partial = Path(tempfile.mkdtemp(prefix=f"{model_type}-", dir=self._tiny_root))
+                    write_tiny_checkpoint(partial, model_type, seed=0)
+                    partial.rename(directory)
+                self._models[key] = TTS.from_pretrained(str(directory), device=self.device, dtype=self.dtype)
+            return self._models[key]
+
+    # ---- voice prompts -----------------------------------------------------------------------
+
+    def voice_prompt(self, tts: TTS, ref_audio: str | Path | None, ref_text: str | None, x_vector_only: bool) -> VoicePrompt:
+        """The voice prompt of a reference recording, computed once per (model, audio content, mode):
+        a new transcript for the same audio reuses the speaker embedding and reference codes."""
+        path = check_reference_upload(ref_audio)
+        transcript = (ref_text or "").strip()
+        key = (id(tts), content_hash(path), x_vector_only)
+        with self._lock:
+            cached = self._voice_prompts.get(key)
+            if cached is not None:
+                self._voice_prompts.move_to_end(key)
+        if cached is not None and (x_vector_only or transcript):
+            return cached if x_vector_only else replace(cached, ref_text=transcript)
+        prompt = tts.create_voice_prompt(str(path), transcript, x_vector_only)  # raises for ICL without transcript
+        with self._lock:
+            self._voice_prompts[key] = prompt
+            while len(self._voice_prompts) > VOICE_PROMPT_CACHE:
+                self._voice_prompts.popitem(last=False)
+        return prompt
+
+    def prepare_voice(self, checkpoint: str | None, ref_audio: str | Path | None, ref_text: str | None, x_vector_only: bool) -> bool:
+        """Compute a reference's voice prompt before Generate is pressed, so that the first generation
+        does not pay for it; False while the inputs cannot make one yet (no audio, or ICL without transcript)."""
+        if ref_audio is None or not (x_vector_only or (ref_text or "").strip()):
+            return False
+        self.voice_prompt(self.model("base", checkpoint), ref_audio, ref_text, x_vector_only)
+        return True
+
+    # ---- streaming ---------------------------------------------------------------------------
+
+    def stream(self, request: SpeechRequest, key: str = "") -> Iterator[StreamStart | Chunk]:
+        """Validate `request` (TTSInputError before anything is generated), then yield a `StreamStart`
+        and the audio `Chunk`s. `stop(key)` ends it within one frame; so does closing the generator."""
+        try:
+            schedule = parse_schedule(request.schedule)
+        except ValueError as exc:
+            raise TTSInputError(str(exc)) from None
+        source = request.checkpoint or self.default_checkpoint(request.model_type)
+        tts = self.model(request.model_type, source)
+        voice = None
+        if request.model_type == "base":
+            voice = self.voice_prompt(tts, request.ref_audio, request.ref_text, request.x_vector_only)
+        sampling = tts.sampling(
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            repetition_penalty=request.repetition_penalty,
+        )
+        run = tts.stream(
+            request.text,
+            language=request.language,
+            speaker=request.speaker,
+            instruct=request.instruct,
+            voice_prompt=voice,
+            sampling=sampling,
+            max_frames=request.max_frames,
+            seed=request.seed,
+            schedule=schedule,
+        )
+        self._register(key, run)
+        try:
+            warnings = list(dict.fromkeys(w for r in run.requests for w in r.warnings))
+            yield StreamStart(source, self.random_weights(request.model_type, source), warnings)
+            chunks = iter(run)
+            # The run's stop flag is checked before each wait for a chunk, so a stop from another
+            # thread never leaves this loop waiting on a stream that will not produce again.
+            while not run.stop.is_set():
+                chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            run.close()
+            self._unregister(key, run)
+
+    def stop(self, key: str = "") -> bool:
+        """Stop the stream running under `key`, if any, within one frame; True if there was one."""
+        with self._lock:
+            run = self._streams.get(key)
+        if run is None:
+            return False
+        run.stop.set()
+        return True
+
+    def _register(self, key: str, run: StreamRun) -> None:
+        with self._lock:
+            previous = self._streams.get(key)
+            self._streams[key] = run
+        if previous is not None:  # one stream per key: a new run replaces the old one
+            previous.stop.set()
+
+    def _unregister(self, key: str, run: StreamRun) -> None:
+        with self._lock:
+            if self._streams.get(key) is run:
+                del self._streams[key]
+
+
+def check_reference_upload(path: str | Path | None) -> Path:
+    """The problems of an uploaded or recorded reference file that come before decoding it."""
+    if path is None or str(path) == "":
+        raise TTSInputError("No reference audio: upload a recording, record one with the microphone, or pick a sample voice.")
+    path = Path(path)
+    if not path.is_file():
+        raise TTSInputError(f"The reference audio file {path.name} is gone; upload it again.")
+    size = path.stat().st_size
+    if size == 0:
+        raise TTSInputError("The reference recording is empty: record again, and speak for 3-20 seconds.")
+    if size > MAX_UPLOAD_BYTES:
+        raise TTSInputError(f"The reference file is {size / 2**20:.0f} MB; the limit is {MAX_UPLOAD_BYTES // 2**20} MB (3-20 s of speech is far less).")
+    return path
+
+
+def hub_unavailable_reason(repo_id: str, timeout: float = 5.0) -> str | None:
+    """None if `repo_id` is in the local Hugging Face cache or the Hub answers for it; else why not."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:
+        snapshot_download(repo_id, allow_patterns=["config.json"], local_files_only=True)
+        return None
+    except Exception:  # not cached (LocalEntryNotFoundError) or an odd cache: ask the Hub
+        pass
+    try:
+        HfApi().model_info(repo_id, timeout=timeout)
+        return None
+    except Exception as exc:  # offline, DNS failure, timeout, 404, HF_HUB_OFFLINE=1: all mean "cannot have it"
+        return f"not in the local Hugging Face cache, and the Hub cannot be reached ({type(exc).__name__})."
