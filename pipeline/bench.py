@@ -117,13 +117,43 @@ def stream_times(tts: TTS, frames: int, **request) -> dict:
 
 
 def vocoder_ms(tts: TTS, sizes=(1, 2, 4, 8, 16)) -> dict:
+    """Per chunk size, the engine's vocoder (CUDA graph per size) and the same decoder run eagerly."""
     out = {}
-    for n in sizes:
-        codes = torch.randint(0, 2048, (n, 16), device=tts.device)
-        stream = tts.speech_tokenizer.stream_decoder()
-        stream.decode_chunk(codes)
-        out[str(n)] = statistics.median(cuda_ms(lambda: stream.decode_chunk(codes)) for _ in range(RUNS))
+    for graphs in (True, False):
+        vocoder = tts.vocoder if graphs else tts.speech_tokenizer.stream_decoder()
+        for n in sizes:
+            codes = torch.randint(0, 2048, (n, 16), device=tts.device)
+            vocoder.decode_chunk(codes)
+            out[f"{n}-frame chunk, {'CUDA graph' if graphs else 'eager'}"] = statistics.median(cuda_ms(lambda: vocoder.decode_chunk(codes)) for _ in range(RUNS))
+    tts.vocoder.reset()
     return out
+
+
+@torch.inference_mode()
+def ttfa_breakdown(tts: TTS, **request) -> dict:
+    """Where the time to first audio goes, stage by stage (each synchronised), first chunk of one frame."""
+    stages, start = {}, time.perf_counter()
+
+    def mark(name: str) -> None:
+        nonlocal start
+        torch.cuda.synchronize()
+        stages[name] = (time.perf_counter() - start) * 1000.0
+        start = time.perf_counter()
+
+    prepared = tts.prepare(TEXT_20_WORDS, **request)
+    mark("prepare (tokenize, prompt embeddings)")
+    decoder = tts.frame_decoder(prepared, tts.sampling(), seed=0)
+    decoder.prefill(prepared.prompt.prefill)
+    mark("prefill (eager)")
+    codes, _ = decoder.step()
+    mark("first frame")
+    tts.vocoder.reset()
+    audio = tts.vocoder.decode_chunk(codes[None])
+    mark("vocoder, 1 frame")
+    audio.cpu()
+    mark("copy to host")
+    tts.vocoder.reset()
+    return stages
 
 
 def stream_equals_offline_bf16(tts: TTS, frames: int = 120) -> float:
@@ -171,6 +201,7 @@ def bench_size(size: str, device: str, workdir: Path, frames_20s: int = 250) -> 
     result["kernels_per_frame_graph_compiled"] = kernels_per_frame(custom, request, sampling, graphs=True)
     custom_voice = stream_times(custom, frames_20s, speaker="ryan", language="english")
     result["ttfa_ms_custom_voice"] = custom_voice["ttfa_ms"]
+    result["ttfa_breakdown_ms_custom_voice"] = ttfa_breakdown(custom, speaker="ryan", language="english")
     result["rtf_20s"] = custom_voice["total_s"] / (frames_20s * 0.08)
     result["vocoder_ms_per_chunk"] = vocoder_ms(custom)
     result["stream_vs_offline_max_abs_bf16"] = stream_equals_offline_bf16(custom)
@@ -212,8 +243,10 @@ def markdown(report: dict) -> str:
     lines = [f"| | {' | '.join(sizes)} |", "|---|" + "---|" * len(sizes)]
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt.format(report["sizes"][s][key]) for s in sizes) + " |")
+    for stage in report["sizes"][sizes[0]]["ttfa_breakdown_ms_custom_voice"]:
+        lines.append(f"| TTFA stage: {stage} (ms) | " + " | ".join(f"{report['sizes'][s]['ttfa_breakdown_ms_custom_voice'][stage]:.2f}" for s in sizes) + " |")
     for n in report["sizes"][sizes[0]]["vocoder_ms_per_chunk"]:
-        lines.append(f"| vocoder ms, {n}-frame chunk | " + " | ".join(f"{report['sizes'][s]['vocoder_ms_per_chunk'][n]:.2f}" for s in sizes) + " |")
+        lines.append(f"| vocoder ms, {n} | " + " | ".join(f"{report['sizes'][s]['vocoder_ms_per_chunk'][n]:.2f}" for s in sizes) + " |")
     checks = ", ".join(f"{k}: {'identical' if v else 'DIFFERENT'}" for k, v in report["graph_equals_eager_fp32"].items())
     return "\n".join(
         [

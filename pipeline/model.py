@@ -154,13 +154,35 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+def fuse_projections(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
+    """Store several bias-free projections of one input as one Linear `fused` (one matmul, not several).
+
+    Checkpoints keep each part under its own name (`q_proj.weight`, ...): a load pre-hook
+    concatenates them into `{fused}.weight` and a state_dict hook splits them again, so official
+    files load and save unchanged.
+    """
+
+    def merge(mod, state_dict, prefix, *args) -> None:
+        keys = [f"{prefix}{name}.weight" for name in parts]
+        if all(k in state_dict for k in keys):
+            state_dict[f"{prefix}{fused}.weight"] = torch.cat([state_dict.pop(k) for k in keys])
+
+    def split(mod, state_dict, prefix, local_metadata) -> None:
+        weight = state_dict.pop(f"{prefix}{fused}.weight")
+        for name, part in zip(parts, weight.split(list(parts.values()))):
+            state_dict[f"{prefix}{name}.weight"] = part
+
+    module.register_load_state_dict_pre_hook(merge)
+    module.register_state_dict_post_hook(split)
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        self.qkv_proj = nn.Linear(hidden, sum(self.sizes), bias=False)
+        fuse_projections(self, "qkv_proj", dict(zip(("q_proj", "k_proj", "v_proj"), self.sizes)))
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
@@ -168,9 +190,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, length, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, length, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = self.q_norm(q.view(b, length, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(b, length, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
@@ -180,12 +203,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        fuse_projections(self, "gate_up_proj", {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -224,7 +249,9 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         # x: [B, L, hidden]; input_pos: [L]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-        mask = self.key_pos[None, :] <= input_pos[:, None]  # also hides cache slots not yet written
+        # Additive mask in the activation dtype, built once for all layers (a boolean one is converted
+        # in every layer); it also hides cache slots not yet written.
+        mask = torch.where(self.key_pos[None, :] <= input_pos[:, None], 0.0, float("-inf")).to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
         return self.norm(x)
