@@ -144,7 +144,7 @@ def ttfa_breakdown(tts: TTS, **request) -> dict:
     mark("prepare (tokenize, prompt embeddings)")
     decoder = tts.frame_decoder(prepared, tts.sampling(), seed=0)
     decoder.prefill(prepared.prompt.prefill)
-    mark("prefill (eager)")
+    mark("prefill")
     codes, _ = decoder.step()
     mark("first frame")
     tts.vocoder.reset()

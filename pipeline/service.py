@@ -209,12 +209,12 @@ class ModelService:
             self._fall_back(model_type, source, str(exc))
             return self._tiny(model_type)
         if tts.model_type != model_type:
-            self._fall_back(model_type, source, f"it is a {tts.model_type} checkpoint, not {model_type}")
+            self._fall_back(model_type, source, f"it is a {tts.model_type} checkpoint, not {model_type}.")
             return self._tiny(model_type)
         return tts
 
     def _fall_back(self, model_type: str, source: str, reason: str) -> None:
-        log.warning("%s: %s; serving the tiny random %s checkpoint instead", source, reason, model_type)
+        log.warning("%s: %s Serving the tiny random %s checkpoint instead.", source, reason, model_type)
         with self._lock:
             self.fallbacks[source] = Fallback(model_type, source, reason)
 
@@ -348,6 +348,7 @@ def check_reference_upload(path: str | Path | None) -> Path:
 def hub_unavailable_reason(repo_id: str, timeout: float = 5.0) -> str | None:
     """None if `repo_id` is in the local Hugging Face cache or the Hub answers for it; else why not."""
     from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import RepositoryNotFoundError
 
     try:
         snapshot_download(repo_id, allow_patterns=["config.json"], local_files_only=True)
@@ -357,5 +358,7 @@ def hub_unavailable_reason(repo_id: str, timeout: float = 5.0) -> str | None:
     try:
         HfApi().model_info(repo_id, timeout=timeout)
         return None
-    except Exception as exc:  # offline, DNS failure, timeout, 404, HF_HUB_OFFLINE=1: all mean "cannot have it"
-        return f"not in the local Hugging Face cache, and the Hub cannot be reached ({type(exc).__name__})."
+    except RepositoryNotFoundError:
+        return "the Hugging Face Hub has no model with this id (or it is private)."
+    except Exception as exc:  # offline, DNS failure, timeout, HF_HUB_OFFLINE=1: all mean "cannot have it now"
+        return f"not in the local Hugging Face cache, and the Hugging Face Hub cannot be reached ({type(exc).__name__})."

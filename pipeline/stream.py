@@ -97,12 +97,11 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _own_stream(device: torch.device):
-    """Each worker thread queues its GPU work on its own CUDA stream, after the work already queued."""
-    if device.type != "cuda":
+def _on(stream: "torch.cuda.Stream | None"):
+    """Queue this worker's GPU work on its own CUDA stream (None on CPU), after the work already queued."""
+    if stream is None:
         return contextlib.nullcontext()
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
     return torch.cuda.stream(stream)
 
 
@@ -166,7 +165,7 @@ class StreamRun:
     def _generate(self) -> None:
         self._wait(lambda: self.tts.lock.acquire(timeout=0.05))  # another request may hold the model
         self.holding.set()
-        with torch.inference_mode(), _own_stream(self.tts.device):
+        with torch.inference_mode(), _on(self.tts.generation_stream):
             self._generate_segments()
 
     def _generate_segments(self) -> None:
@@ -208,7 +207,7 @@ class StreamRun:
         index, samples = 0, 0
         ref_codes = self.requests[0].ref_codes
         self._wait(lambda: self.holding.wait(timeout=0.05))
-        with torch.inference_mode(), _own_stream(self.tts.device):
+        with torch.inference_mode(), _on(self.tts.vocoder_stream):
             vocoder = self.tts.vocoder
             vocoder.reset()
             if ref_codes is not None:

@@ -85,6 +85,11 @@ class TTS:
         self.compiled = compiled
         self.decoder: FrameDecoder | None = None
         self.vocoder = speech_tokenizer.stream_decoder(use_cuda_graphs=use_cuda_graphs)
+        # Generation and vocoding overlap on two CUDA streams, kept for the process (a new stream
+        # per request would also set up new cuBLAS workspaces each time).
+        on_cuda = self.device.type == "cuda"
+        self.generation_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self.vocoder_stream = torch.cuda.Stream(self.device) if on_cuda else None
         if self.model_type not in MODEL_TYPES:
             raise TTSInputError(f"Unknown tts_model_type '{self.model_type}' in config.json: expected one of {', '.join(MODEL_TYPES)}.")
 
@@ -232,10 +237,9 @@ class TTS:
         """Build the decoder and capture its CUDA graph for `sampling` now, not during someone's first request."""
         speaker = self.speakers[0] if self.speakers else None
         voice = VoicePrompt(torch.zeros(self.config.talker_config.hidden_size, dtype=self.dtype, device=self.device)) if self.model_type == "base" else None
-        request = self.prepare("Warm up.", speaker=speaker, voice_prompt=voice)
-        for _ in self.generate_codes(request, sampling or self.sampling(), max_frames=2, seed=0):
+        for _ in self.stream("Warm up.", speaker=speaker, voice_prompt=voice, sampling=sampling, max_frames=3, seed=0):
             pass
-        with torch.inference_mode():
+        with self.lock, torch.inference_mode():
             for frames in range(1, max(DEFAULT_SCHEDULE) + 1):  # every chunk size a stream can ask for
                 self.vocoder.decode_chunk(torch.zeros(frames, 16, dtype=torch.long, device=self.device))
             self.vocoder.reset()
