@@ -122,6 +122,9 @@ class FrameDecoder:
         self.prefill_stack = talker.model
         self.sample, self.noise = sample, exponential_noise
         if compiled:
+            # Every model in the process adds its own entries (prefill, decode, predictor steps) to
+            # the shared Transformer.forward; dynamo's default limit of 8 would stop the third model.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             options = dict(fullgraph=True, dynamic=False)
             self.prefill_stack = torch.compile(talker.model, fullgraph=True, dynamic=True)  # one compile for every prompt length
             self.talker_stack = torch.compile(talker.model, **options)

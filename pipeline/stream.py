@@ -205,13 +205,15 @@ class StreamRun:
 
     def _vocode(self) -> None:
         index, samples = 0, 0
-        ref_codes = self.requests[0].ref_codes
+        first = self.requests[0]
         self._wait(lambda: self.holding.wait(timeout=0.05))
         with torch.inference_mode(), _on(self.tts.vocoder_stream):
             vocoder = self.tts.vocoder
             vocoder.reset()
-            if ref_codes is not None:
-                vocoder.prime(ref_codes.to(self.tts.device))
+            if first.vocoder_state is not None:
+                vocoder.state.restore(first.vocoder_state)
+            elif first.ref_codes is not None:
+                vocoder.prime(first.ref_codes)
             while True:
                 item = self.codes.get()
                 if item is None or self.stop.is_set():

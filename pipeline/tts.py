@@ -36,6 +36,7 @@ class VoicePrompt:
     speaker_embedding: torch.Tensor  # [hidden]
     ref_codes: torch.Tensor | None = None  # [frames, 16]; None in x-vector-only mode
     ref_text: str | None = None
+    vocoder_state: list[torch.Tensor] | None = None  # the streaming vocoder primed with ref_codes
 
     @property
     def icl(self) -> bool:
@@ -49,6 +50,7 @@ class Request:
     prompt: Prompt
     ref_codes: torch.Tensor | None
     warnings: list[str] = field(default_factory=list)
+    vocoder_state: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -143,7 +145,11 @@ class TTS:
         embedding = self.model.speaker_encoder.embed(wav.to(self.device))
         if x_vector_only:
             return VoicePrompt(embedding)
-        return VoicePrompt(embedding, self.speech_tokenizer.encode(wav.to(self.device)), transcript)
+        codes = self.speech_tokenizer.encode(wav.to(self.device))
+        # Prime a vocoder stream once per voice; each request then starts from a copy of its state.
+        primer = self.speech_tokenizer.stream_decoder()
+        primer.prime(codes)
+        return VoicePrompt(embedding, codes, transcript, primer.state.snapshot())
 
     def _language_id(self, language: str, speaker: str | None) -> int | None:
         t = self.config.talker_config
@@ -219,7 +225,9 @@ class TTS:
             icl=icl,
             non_streaming_text=non_streaming_text,
         )
-        return Request(prompt, voice_prompt.ref_codes if icl else None, warnings)
+        if icl is None:
+            return Request(prompt, None, warnings)
+        return Request(prompt, voice_prompt.ref_codes, warnings, voice_prompt.vocoder_state)
 
     def default_max_frames(self) -> int:
         # The reference's max_new_tokens=N gives N-1 frames.
