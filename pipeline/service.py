@@ -132,11 +132,12 @@ class ModelService:
         dtype: str = "float32",
         tiny: bool = False,
         tiny_dir: str | Path | None = None,
+        compiled: bool = False,
     ):
         merged = dict(HUB_CHECKPOINTS)
         merged.update(choices or {})
         self.choices = {kind: (TINY,) for kind in MODEL_TYPES} if tiny else merged
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.compiled = device, dtype, compiled
         self._tiny_root = Path(tiny_dir) if tiny_dir else Path(tempfile.mkdtemp(prefix="qwen3-tts-tiny-"))
         self._models: dict[tuple[str, str], TTS] = {}  # (model type, checkpoint) -> model
         self._load_locks: dict[tuple[str, str], threading.Lock] = {}
@@ -204,13 +205,15 @@ class ModelService:
             return self._tiny(model_type)
         log.info("loading %s checkpoint %s on %s (%s)", model_type, source, self.device, self.dtype)
         try:
-            tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype)
+            tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype, compiled=self.compiled)
         except CheckpointError as exc:
             self._fall_back(model_type, source, str(exc))
             return self._tiny(model_type)
         if tts.model_type != model_type:
             self._fall_back(model_type, source, f"it is a {tts.model_type} checkpoint, not {model_type}.")
             return self._tiny(model_type)
+        if tts.device.type == "cuda":  # capture (and compile) now, not in the first user's TTFA
+            tts.warm_up()
         return tts
 
     def _fall_back(self, model_type: str, source: str, reason: str) -> None:

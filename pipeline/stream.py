@@ -237,7 +237,12 @@ class StreamRun:
     def __iter__(self) -> Iterator[Chunk]:
         try:
             while True:
-                item = self.audio.get()
+                try:
+                    item = self.audio.get(timeout=0.05)
+                except queue.Empty:
+                    if self.stop.is_set():  # closed from another thread: the end marker may never come
+                        return
+                    continue
                 if item is None:
                     return
                 if isinstance(item, BaseException):

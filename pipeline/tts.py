@@ -127,7 +127,7 @@ class TTS:
     def supports_instruct(self) -> bool:
         # The reference drops instructions on 0.6B CustomVoice checkpoints; Base checkpoints take none.
         if self.model_type == "custom_voice":
-            return self.config.tts_model_size not in "0b6"
+            return self.config.tts_model_size != "0b6"
         return self.model_type == "voice_design"
 
     def _ids(self, text: str) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""Qwen3-TTS streaming demo: `python app.py` (also the Hugging Face Spaces entry point)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pipeline.service import ModelService, parse_models
+from ui.app import build_demo, launch_options
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_zero_gpu() -> bool:
+    # Hugging Face sets this on ZeroGPU Spaces, where weights must be placed before the app serves.
+    return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Streaming Qwen3-TTS demo: voice clone, custom voice and voice design.")
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), help="interface to listen on (env GRADIO_SERVER_NAME)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (env GRADIO_SERVER_PORT)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=[],
+        metavar="TYPE=CHECKPOINT[,CHECKPOINT]",
+        help="checkpoints per tab, the first the default: Hub ids, local directories or 'tiny'; TYPE is clone, custom or design "
+        "(e.g. --models clone=Qwen/Qwen3-TTS-12Hz-1.7B-Base custom=Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice,Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="serve the built-in tiny random checkpoints (noise; for trying the UI offline)")
+    parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step (faster start, ~2.5x slower frames)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        choices = parse_models(args.models)
+    except ValueError as exc:
+        parser.error(str(exc))
+    device = args.device or default_device()
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    service = ModelService(choices, device=device, dtype=dtype, tiny=args.tiny, compiled=device.startswith("cuda") and not args.no_compile)
+    service.probe()
+    if on_zero_gpu():
+        service.preload()
+    demo = build_demo(service)
+    demo.queue(default_concurrency_limit=None)
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_options())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The app served on localhost with the tiny checkpoints, driven through `gradio_client` and the PCM
+route: every tab streams, every bad input gets its own message and the app keeps serving, Stop
+frees the model's slot at once, and several sessions are served at the same time."""
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+
+from pipeline.service import TINY, ModelService
+from ui.app import build_demo, launch_options
+
+from conftest import voice_like
+
+SPEECH = "Hello there, this is a test of the streaming demo."
+SHORT = (0.9, 50, 1.0, 1.05, 7, "1, 2, 4, 8, 16", 2)  # sampling, seed 7, schedule, 2 s max
+LONG = (0.9, 50, 1.0, 1.05, 7, "1", 160)  # one frame per chunk, up to 160 s: runs until stopped
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints):
+    service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)
+    service.preload()  # loading is tested elsewhere; here every request should find its model ready
+    demo = build_demo(service)
+    demo.queue(default_concurrency_limit=None)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
+    yield {"url": f"http://127.0.0.1:{port}/", "service": service}
+    demo.close()
+
+
+@pytest.fixture()
+def client(server) -> Client:
+    return Client(server["url"], verbose=False)
+
+
+@pytest.fixture(scope="module")
+def speaker(server) -> str:
+    return server["service"].info("custom_voice").speakers[0]
+
+
+def read_pcm(url: str, run_id: str, out: list, opened: threading.Event) -> None:
+    """The browser's side of the audio path: frames of the run's PCM stream, as they arrive."""
+    with httpx.stream("GET", f"{url}pcm/{run_id}", timeout=60) as response:
+        opened.set()
+        buffer = b""
+        for data in response.iter_bytes():
+            buffer += data
+            while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack("<I", buffer[:4])[0]:
+                length = struct.unpack("<I", buffer[:4])[0]
+                out.append((time.perf_counter(), buffer[4 : 4 + length]))
+                buffer = buffer[4 + length :]
+
+
+def tables(outputs: list) -> list[list]:
+    return [o[1]["data"] for o in outputs if isinstance(o[1], dict) and o[1].get("data")]
+
+
+@pytest.mark.parametrize("tab", ["clone", "custom", "design"])
+def test_each_tab_streams_chunks_to_the_table_and_the_pcm_route(server, client, speaker, reference_wav, tab):
+    run_id = f"{tab}-test-{time.time_ns()}"
+    inputs = {
+        "clone": (TINY, handle_file(str(reference_wav)), "Speak slowly and warmly.", False, SPEECH, "auto"),
+        "custom": (TINY, speaker, "", SPEECH, "english"),
+        "design": (TINY, "A calm, low female voice.", SPEECH, "auto"),
+    }[tab]
+    frames, opened = [], threading.Event()
+    reader = threading.Thread(target=read_pcm, args=(server["url"], run_id, frames, opened))
+    reader.start()
+    assert opened.wait(10)
+    outputs = list(client.submit(*inputs, *SHORT, run_id, api_name=f"/{tab}_generate"))
+    reader.join(10)
+    rows = tables(outputs)[-1]
+    assert len(rows) >= 3 and [r[0] for r in rows] == list(range(len(rows)))
+    total_frames = sum(r[1] for r in rows)
+    pcm = [f for _, f in frames if f]
+    assert len(pcm) == len(rows)  # one PCM frame per chunk, none lost or merged
+    assert sum(len(f) for f in pcm) == total_frames * 1920 * 2  # 16-bit samples
+    wav_path = outputs[-1][3]
+    audio, rate = sf.read(wav_path, dtype="int16")
+    assert rate == 24000 and np.array_equal(audio, np.frombuffer(b"".join(pcm), "<i2"))
+    summary = [o[0] for o in outputs if isinstance(o[0], str)][-1]
+    assert "TTFA" in summary and "final RTF" in summary
+
+
+def test_errors_have_specific_messages_and_the_app_keeps_serving(server, client, speaker, reference_wav, tmp_path):
+    notes = tmp_path / "notes.wav"
+    notes.write_text("this is not audio")
+    silent = tmp_path / "silent.wav"
+    sf.write(silent, np.zeros(48000, np.float32), 24000)
+    short = tmp_path / "short.wav"
+    sf.write(short, voice_like(0.4), 24000)
+    cases = [
+        ("/custom_generate", (TINY, speaker, "", "   ", "auto"), "The text is empty"),
+        ("/custom_generate", (TINY, speaker, "", "x" * 5001, "auto"), "the limit is 5000 characters"),
+        ("/custom_generate", (TINY, "nobody", "", SPEECH, "auto"), "Unknown speaker 'nobody'"),
+        ("/design_generate", (TINY, "A calm voice.", SPEECH, "klingon"), "Unsupported language 'klingon'"),
+        ("/clone_generate", (TINY, None, "", False, SPEECH, "auto"), "No reference audio"),
+        ("/clone_generate", (TINY, handle_file(str(reference_wav)), "", False, SPEECH, "auto"), "needs the transcript"),
+        ("/clone_generate", (TINY, handle_file(str(notes)), "Hi.", False, SPEECH, "auto"), "could not be read as audio"),
+        ("/clone_generate", (TINY, handle_file(str(silent)), "Hi.", False, SPEECH, "auto"), "is silent"),
+        ("/clone_generate", (TINY, handle_file(str(short)), "Hi.", False, SPEECH, "auto"), "must be at least 1 s"),
+    ]
+    for api_name, inputs, message in cases:
+        with pytest.raises(AppError, match=message):
+            client.predict(*inputs, *SHORT, "", api_name=api_name)
+    # Still serving, on the same model the errors went to.
+    outputs = list(client.submit(TINY, speaker, "", SPEECH, "auto", *SHORT, "", api_name="/custom_generate"))
+    assert len(tables(outputs)[-1]) >= 3
+
+
+def test_upload_over_50_mb_is_refused_with_the_limit(server, client, tmp_path):
+    big = tmp_path / "big.wav"
+    with open(big, "wb") as f:
+        f.truncate(51 * 2**20)
+    with pytest.raises(Exception, match="exceeds the maximum file size of 52428800 bytes"):
+        client.predict(TINY, handle_file(str(big)), "Hi.", False, SPEECH, "auto", *SHORT, "", api_name="/clone_generate")
+    # The server refuses it too, before storing it, whatever the client checked.
+    with open(big, "rb") as f:
+        response = httpx.post(f"{server['url']}gradio_api/upload", files={"files": ("big.wav", f)}, timeout=60)
+    assert response.status_code == 413 and "maximum allowed size" in response.text
+
+
+def first_update(job, timeout: float = 30.0) -> float:
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if job.outputs():
+            return time.perf_counter()
+        time.sleep(0.01)
+    raise AssertionError("no update from the job")
+
+
+def test_stop_frees_the_slot_at_once(server, speaker):
+    first, second = Client(server["url"], verbose=False), Client(server["url"], verbose=False)
+    run_id = f"stop-test-{time.time_ns()}"
+    long_job = first.submit(TINY, speaker, "", SPEECH, "auto", *LONG, run_id, api_name="/custom_generate")
+    first_update(long_job)
+    # The model serves one utterance at a time: a second session now waits in the queue.
+    waiting = second.submit(TINY, speaker, "", SPEECH, "auto", *SHORT, "", api_name="/custom_generate")
+    time.sleep(0.5)
+    assert not waiting.outputs()
+    stopped = time.perf_counter()
+    first.predict(run_id, api_name="/custom_stop")
+    served = first_update(waiting) - stopped
+    assert served < 3.0, f"the waiting session got its first update {served:.2f} s after Stop"
+    long_job.result(timeout=10) if not long_job.done() else None
+    assert long_job.done()
+    assert len(tables(list(waiting))[-1]) >= 3
+
+
+def test_sessions_on_different_models_stream_at_the_same_time(server, speaker, reference_wav):
+    clients = [Client(server["url"], verbose=False) for _ in range(3)]
+    jobs = [
+        clients[0].submit(TINY, speaker, "", SPEECH, "auto", *SHORT, "", api_name="/custom_generate"),
+        clients[1].submit(TINY, "A calm, low female voice.", SPEECH, "auto", *SHORT, "", api_name="/design_generate"),
+        clients[2].submit(TINY, handle_file(str(reference_wav)), "Hi.", True, SPEECH, "auto", *SHORT, "", api_name="/clone_generate"),
+    ]
+    for job in jobs:
+        assert len(tables(list(job))[-1]) >= 3

@@ -1,0 +1,246 @@
+"""The app's model service and event handlers, called directly (no server): loading once and
+sharing, falling back to the tiny checkpoints with a reason, voice prompts reused, Stop, and the
+one specific message per bad input."""
+import threading
+import time
+from pathlib import Path
+
+import gradio as gr
+import numpy as np
+import pytest
+import soundfile as sf
+
+from pipeline.errors import TTSInputError
+from pipeline.service import TINY, ModelService, SpeechRequest, check_reference_upload, parse_models
+from pipeline.stream import Chunk
+from ui import controls
+from ui.app import build_demo
+
+from conftest import voice_like
+
+
+@pytest.fixture(scope="module")
+def service(tiny_checkpoints) -> ModelService:
+    # The session's tiny checkpoints sit in <root>/<type>, the layout the service writes its own in.
+    return ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)
+
+
+@pytest.fixture(scope="module")
+def demo(service) -> gr.Blocks:
+    return build_demo(service)
+
+
+def handler(demo: gr.Blocks, api_name: str):
+    return next(fn.fn for fn in demo.fns.values() if fn.api_name == api_name)
+
+
+def run_handler(demo: gr.Blocks, api_name: str, *args) -> list[dict]:
+    return list(handler(demo, api_name)(*args, gr.Request(), gr.Progress()))
+
+
+ADVANCED = (0.9, 50, 1.0, 1.05, 7, "1, 2, 4, 8, 16", 2)  # temperature .. seed, schedule, max length 2 s
+SPEECH = "Hello there, this is a test of the streaming demo."
+
+
+def custom_args(service: ModelService, **overrides) -> tuple:
+    speaker = service.info("custom_voice").speakers[0]
+    values = dict(name=TINY, speaker=speaker, instruct="", text=SPEECH, language="auto")
+    values.update(overrides)
+    return (*values.values(), *ADVANCED, "")
+
+
+def clone_args(reference: Path | None, transcript: str = "Speak slowly and warmly.", xvec: bool = False, text: str = SPEECH) -> tuple:
+    return (TINY, None if reference is None else str(reference), transcript, xvec, text, "auto", *ADVANCED, "")
+
+
+def table_rows(updates: list[dict]) -> list[list]:
+    tables = [v for u in updates for k, v in u.items() if getattr(k, "elem_id", "").endswith("-table")]
+    return tables[-1].values.tolist()
+
+
+def test_parse_models_accepts_aliases_and_lists():
+    assert parse_models(["clone=a/b", "custom=c,d", "voice_design=/x"]) == {"base": ("a/b",), "custom_voice": ("c", "d"), "voice_design": ("/x",)}
+    with pytest.raises(ValueError, match="TYPE=CHECKPOINT"):
+        parse_models(["nonsense"])
+    with pytest.raises(ValueError, match="TYPE=CHECKPOINT"):
+        parse_models(["speech=a/b"])
+
+
+def test_each_tab_streams_chunks_fills_the_table_and_ends_with_the_wav(demo, service, reference_wav):
+    for api_name, args in [
+        ("custom_generate", custom_args(service)),
+        ("design_generate", (TINY, "A calm, low female voice.", SPEECH, "auto", *ADVANCED, "")),
+        ("clone_generate", clone_args(reference_wav)),
+    ]:
+        updates = run_handler(demo, api_name, *args)
+        rows = table_rows(updates)
+        assert len(rows) >= 3, api_name  # 2 s = 25 frames in chunks of 1, 2, 4, 8, 10 unless the model ends early
+        assert [r[0] for r in rows] == list(range(len(rows)))
+        frames = sum(r[1] for r in rows)
+        sample_rate, wav = next(v for k, v in updates[-1].items() if k.elem_id.endswith("-audio"))
+        assert sample_rate == 24000 and wav.dtype == np.int16 and len(wav) == frames * 1920
+        summary = next(v for u in reversed(updates) for k, v in u.items() if k.elem_id.endswith("-summary"))
+        assert "TTFA" in summary and "final RTF" in summary
+
+
+def test_a_checkpoint_is_loaded_once_and_shared(service):
+    assert service.model("custom_voice") is service.model("custom_voice", TINY)
+    assert service.model("custom_voice") is not service.model("voice_design")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(service.model("base"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(m is results[0] for m in results)
+
+
+def test_unavailable_checkpoint_falls_back_to_tiny_with_a_reason(tiny_checkpoints, tmp_path):
+    missing = str(tmp_path / "no-such-checkpoint")
+    wrong_type = str(tiny_checkpoints["custom_voice"])
+    service = ModelService({"base": (missing,), "voice_design": (wrong_type,)}, tiny_dir=Path(tiny_checkpoints["base"]).parent)
+    assert controls.banner_markdown(service) == ""  # nothing known to be wrong before first use
+    assert service.info("base").random_weights and service.model("base").model_type == "base"
+    assert service.model("voice_design").model_type == "voice_design"
+    banner = controls.banner_markdown(service)
+    assert "Random weights: the audio is noise" in banner
+    assert missing in banner and "neither a local directory nor a valid Hugging Face Hub id" in banner
+    assert "it is a custom_voice checkpoint, not voice_design" in banner
+    assert "--models" in banner and "network access" in banner
+
+
+def test_tiny_mode_says_so_in_the_banner(service):
+    assert "--tiny" in controls.banner_markdown(service)
+
+
+def test_checkpoint_outside_the_apps_choices_is_refused(service):
+    with pytest.raises(TTSInputError, match="is not one of this app's"):
+        service.model("base", "/etc")
+
+
+def test_voice_prompt_is_computed_once_per_reference(service, tmp_path):
+    tts = service.model("base")
+    reference_wav = write(tmp_path / "fresh.wav", voice_like(2.5, seed=11))  # audio no other test used
+    calls = []
+    original = tts.create_voice_prompt
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    tts.create_voice_prompt = counting
+    try:
+        copy = tmp_path / "same-audio.wav"
+        copy.write_bytes(reference_wav.read_bytes())
+        first = service.voice_prompt(tts, reference_wav, "Speak slowly.", False)
+        again = service.voice_prompt(tts, copy, "Another transcript.", False)  # same content, new transcript
+        assert len(calls) == 1
+        assert again.ref_codes is first.ref_codes and again.ref_text == "Another transcript."
+        service.voice_prompt(tts, reference_wav, None, True)
+        service.voice_prompt(tts, reference_wav, None, True)
+        assert len(calls) == 2  # x-vector-only is its own prompt, also computed once
+        with pytest.raises(TTSInputError, match="needs the transcript"):
+            service.voice_prompt(tts, reference_wav, "  ", False)
+    finally:
+        del tts.create_voice_prompt
+
+
+def test_stop_ends_the_stream_within_a_frame_and_frees_the_model(service):
+    speaker = service.info("custom_voice").speakers[0]
+    request = SpeechRequest("custom_voice", SPEECH, speaker=speaker, seed=1, schedule="1", max_frames=2000)
+    stream = service.stream(request, "session:custom:run")
+    next(stream)
+    first = next(stream)
+    assert isinstance(first, Chunk)
+    stopped_at = time.perf_counter()
+    assert service.stop("session:custom:run")
+    rest = list(stream)
+    elapsed = time.perf_counter() - stopped_at
+    assert elapsed < 1.0 and len(rest) <= 5  # at most the chunks already vocoded
+    lock = service.model("custom_voice").lock
+    assert lock.acquire(timeout=1.0)
+    lock.release()
+    assert not service.stop("session:custom:run")  # nothing left to stop
+
+
+def file_with(path: Path, content: bytes) -> Path:
+    path.write_bytes(content)
+    return path
+
+
+def write(path: Path, audio: np.ndarray, rate: int = 24000) -> Path:
+    sf.write(path, audio, rate)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: None, "No reference audio: upload a recording, record one with the microphone, or pick a sample voice."),
+        (lambda d: file_with(d / "empty.wav", b""), "The reference recording is empty"),
+        (lambda d: write(d / "no-samples.wav", np.zeros(0, np.float32)), "The reference audio is empty"),  # a mic stopped at once
+        (lambda d: file_with(d / "notes.wav", b"not audio at all"), "could not be read as audio"),
+        (lambda d: write(d / "short.wav", voice_like(0.5)), "must be at least 1 s"),
+        (lambda d: write(d / "silent.wav", np.zeros(48000, np.float32)), "The reference audio is silent"),
+        (lambda d: write(d / "long.wav", voice_like(31.0)), "may be at most 30 s"),
+    ],
+)
+def test_bad_reference_audio_gives_its_own_message(demo, tmp_path, make, message):
+    with pytest.raises(gr.Error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run_handler(demo, "clone_generate", *clone_args(make(tmp_path)))
+
+
+def test_upload_over_50_mb_is_refused(tmp_path):
+    big = tmp_path / "big.wav"
+    with open(big, "wb") as f:
+        f.truncate(51 * 2**20)
+    with pytest.raises(TTSInputError, match="the limit is 50 MB"):
+        check_reference_upload(big)
+
+
+def test_icl_without_transcript(demo, reference_wav):
+    with pytest.raises(gr.Error, match="needs the transcript of the reference audio"):
+        run_handler(demo, "clone_generate", *clone_args(reference_wav, transcript=""))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(text="   "), "The text is empty"),
+        (dict(text="a" * 5001), "the limit is 5000 characters"),
+        (dict(speaker="nobody"), "Unknown speaker 'nobody'"),
+        (dict(language="klingon"), "Unsupported language 'klingon'"),
+    ],
+)
+def test_bad_text_speaker_language_give_their_message(demo, service, overrides, message):
+    with pytest.raises(gr.Error, match=message):
+        run_handler(demo, "custom_generate", *custom_args(service, **overrides))
+
+
+def test_bad_schedule_gives_its_message(demo, service):
+    args = list(custom_args(service))
+    args[-3] = "1, two"
+    with pytest.raises(gr.Error, match="comma-separated list of frame counts"):
+        run_handler(demo, "custom_generate", *args)
+
+
+def test_ignored_instruction_warns_and_still_speaks(tiny_checkpoints, tmp_path):
+    # A 0.6B CustomVoice checkpoint takes no instruction: the tiny one, relabelled.
+    checkpoint = tmp_path / "custom-0.6b"
+    checkpoint.mkdir()
+    for item in Path(tiny_checkpoints["custom_voice"]).iterdir():
+        (checkpoint / item.name).symlink_to(item)
+    (checkpoint / "config.json").unlink()
+    config = (Path(tiny_checkpoints["custom_voice"]) / "config.json").read_text()
+    import json
+
+    data = json.loads(config)
+    data["tts_model_size"] = "0b6"
+    (checkpoint / "config.json").write_text(json.dumps(data))
+    service = ModelService({"custom_voice": (str(checkpoint),)})
+    demo = build_demo(service)
+    speaker = service.info("custom_voice").speakers[0]
+    args = (str(checkpoint), speaker, "Whisper it.", SPEECH, "auto", *ADVANCED, "")
+    with pytest.warns(UserWarning, match="ignores instructions"):
+        updates = run_handler(demo, "custom_generate", *args)
+    assert table_rows(updates)

@@ -1,0 +1,46 @@
+"""The whole page: banner, title, the three tabs; and what `launch` needs to serve it."""
+from __future__ import annotations
+
+import gradio as gr
+
+from pipeline.service import MAX_UPLOAD_BYTES, ModelService
+from ui import controls, custom_voice, voice_clone, voice_design
+from ui.latency import player_head
+from ui.pcm_stream import CHANNELS
+
+TITLE = "Qwen3-TTS, streamed"
+INTRO = (
+    "# Qwen3-TTS, streamed\n"
+    "The audio starts playing with the first 80 ms frame, while the rest is still being generated; "
+    "the panel under each tab shows where every millisecond went."
+)
+CSS = """
+.pcm-player { padding: 0.5em 0.75em; border-radius: 8px; background: var(--block-background-fill);
+              border: 1px solid var(--border-color-primary); font-variant-numeric: tabular-nums; }
+#banner { border-left: 6px solid #e8a400; padding-left: 1em; background: #fff8e1; color: #3d2e00; }
+"""
+
+
+def build_demo(service: ModelService) -> gr.Blocks:
+    with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:
+        banner = gr.Markdown(controls.banner_markdown(service), visible=bool(controls.banner_markdown(service)), elem_id="banner")
+        gr.Markdown(INTRO)
+        with gr.Tabs():
+            tabs = [module.build(service, banner) for module in (voice_clone, custom_voice, voice_design)]
+        for parts in tabs:
+            controls.wire_loading(parts)
+        first = tabs[0]  # the tab on screen at page load is "first used" as the page opens
+        demo.load(first.load, inputs=first.load_inputs, outputs=first.load_outputs, api_visibility="private")
+    return demo
+
+
+def launch_options() -> dict:
+    """What `Blocks.launch` needs besides host and port: the player script, styling and upload limit."""
+    return {
+        "head": player_head(),
+        "css": CSS,
+        "theme": gr.themes.Soft(),
+        "max_file_size": MAX_UPLOAD_BYTES,
+        "show_error": True,
+        "app_kwargs": {"routes": [CHANNELS.route()]},  # the PCM stream route, beside Gradio's own
+    }

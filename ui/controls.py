@@ -1,0 +1,243 @@
+"""Controls every tab shares: checkpoint picker, text with examples, language, the Advanced
+accordion, Generate / Stop, and the one generation handler they all feed."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import gradio as gr
+
+from pipeline.errors import TTSInputError
+from pipeline.generate import SamplingConfig
+from pipeline.service import TINY, ModelInfo, ModelService, SpeechRequest
+from pipeline.stream import DEFAULT_SCHEDULE
+from ui.latency import LatencyPanel
+
+DEFAULTS = SamplingConfig()  # the reference's defaults, which the official checkpoints ship
+MAX_TEXT_LINES = 8
+FRAMES_PER_SECOND = 12.5
+MAX_SECONDS = 160  # the checkpoints' own limit is 2047 frames (164 s)
+
+
+@dataclass
+class Advanced:
+    temperature: gr.Slider
+    top_k: gr.Slider
+    top_p: gr.Slider
+    repetition_penalty: gr.Slider
+    seed: gr.Number
+    schedule: gr.Textbox
+    max_seconds: gr.Slider
+
+    @classmethod
+    def create(cls, name: str) -> "Advanced":
+        with gr.Accordion("Advanced", open=False, elem_id=f"{name}-advanced"):
+            with gr.Row():
+                temperature = gr.Slider(0.1, 1.5, value=DEFAULTS.temperature, step=0.05, label="Temperature")
+                top_k = gr.Slider(1, 200, value=DEFAULTS.top_k, step=1, label="Top-k")
+                top_p = gr.Slider(0.05, 1.0, value=DEFAULTS.top_p, step=0.05, label="Top-p")
+                repetition_penalty = gr.Slider(1.0, 1.5, value=DEFAULTS.repetition_penalty, step=0.01, label="Repetition penalty")
+            with gr.Row():
+                seed = gr.Number(value=None, precision=0, label="Seed", info="Empty: a new random take each time.", elem_id=f"{name}-seed")
+                schedule = gr.Textbox(
+                    ", ".join(map(str, DEFAULT_SCHEDULE)),
+                    label="Chunk schedule (frames per chunk, 80 ms each; the last repeats)",
+                    info="Small first chunks give early sound; larger later chunks cost less overhead.",
+                    elem_id=f"{name}-schedule",
+                )
+                max_seconds = gr.Slider(1, MAX_SECONDS, value=MAX_SECONDS, step=1, label="Max length (s)", elem_id=f"{name}-max-seconds")
+        return cls(temperature, top_k, top_p, repetition_penalty, seed, schedule, max_seconds)
+
+    @property
+    def inputs(self) -> list[gr.components.Component]:
+        return [self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.seed, self.schedule, self.max_seconds]
+
+
+@dataclass
+class TabParts:
+    """What the app needs of a tab: its checkpoint picker and the loader that fills the tab from it."""
+
+    name: str
+    tab: gr.Tab
+    checkpoint: gr.Dropdown
+    load: Callable  # (*load_inputs, progress) -> updates of `load_outputs`
+    load_inputs: list[gr.components.Component]
+    load_outputs: list[gr.components.Component]
+
+
+def sampling_fields(
+    temperature: float, top_k: float, top_p: float, penalty: float, seed: float | None, schedule: str, max_seconds: float
+) -> dict:
+    """The Advanced accordion's values as SpeechRequest fields."""
+    return {
+        "max_frames": max(1, round(float(max_seconds) * FRAMES_PER_SECOND)),
+        "temperature": float(temperature),
+        "top_k": int(top_k),
+        "top_p": float(top_p),
+        "repetition_penalty": float(penalty),
+        "seed": None if seed is None else int(seed),
+        "schedule": schedule or "",
+    }
+
+
+def keep_or_first(value: str | None, choices: list[str]) -> str | None:
+    return value if value in choices else (choices[0] if choices else None)
+
+
+def language_update(info: ModelInfo, current: str | None = "auto") -> dict:
+    return gr.update(choices=info.languages, value=keep_or_first(current, info.languages))
+
+
+def checkpoint_label(name: str) -> str:
+    return "built-in tiny random checkpoint" if name == TINY else name
+
+
+def checkpoint_picker(service: ModelService, model_type: str, name: str) -> gr.Dropdown:
+    choices = service.choices[model_type]
+    return gr.Dropdown(
+        [(checkpoint_label(c), c) for c in choices],
+        value=choices[0],
+        label="Checkpoint",
+        info="Loaded on first use, then shared by every visitor.",
+        interactive=len(choices) > 1,
+        elem_id=f"{name}-checkpoint",
+    )
+
+
+def model_status(name: str) -> gr.Markdown:
+    return gr.Markdown("", elem_id=f"{name}-model-status")
+
+
+def status_text(info: ModelInfo) -> str:
+    """One line on the loaded checkpoint, shown under the picker once the tab's model is ready."""
+    parts = [f"Ready: {checkpoint_label(info.checkpoint)}", f"{len(info.languages) - 1} languages"]
+    if info.speakers:
+        parts.append(f"{len(info.speakers)} speakers")
+    if info.random_weights:
+        parts.append("random weights (noise)")
+    return " · ".join(parts)
+
+
+def text_input(name: str, examples: list[str]) -> gr.Textbox:
+    text = gr.Textbox(examples[0], label="Text to speak", lines=3, max_lines=MAX_TEXT_LINES, elem_id=f"{name}-text")
+    gr.Examples([[e] for e in examples], inputs=text, label="Example texts")
+    return text
+
+
+def language_picker(name: str) -> gr.Dropdown:
+    # Filled from the checkpoint once it is loaded ("auto" lets the model tell from the text); custom
+    # values reach the pipeline, whose error names the languages the checkpoint knows.
+    return gr.Dropdown(["auto"], value="auto", label="Language", allow_custom_value=True, elem_id=f"{name}-language")
+
+
+def buttons(name: str) -> tuple[gr.Button, gr.Button]:
+    with gr.Row():
+        generate = gr.Button("Generate", variant="primary", elem_id=f"{name}-generate", elem_classes=["pcm-generate"])
+        stop = gr.Button("Stop", variant="stop", elem_id=f"{name}-stop")
+    return generate, stop
+
+
+def banner_markdown(service: ModelService) -> str:
+    """The persistent notice shown while any tab serves random weights; empty otherwise."""
+    if service.fallbacks:
+        reasons = "\n".join(f"- `{f.source}`: {f.reason}" for f in service.fallbacks.values())
+        return (
+            "### ⚠️ Random weights: the audio is noise\n"
+            "These checkpoints could not be had, so their tabs run the built-in tiny random checkpoints:\n"
+            f"{reasons}\n\n"
+            "To hear real voices, start the app once with network access (the weights download to the "
+            "Hugging Face cache, `~/.cache/huggingface` or `$HF_HOME`), or point `--models` at local "
+            "checkpoint directories, e.g. `--models base=/models/Qwen3-TTS-12Hz-0.6B-Base`; then restart."
+        )
+    tiny_types = [model_type for model_type, choices in service.choices.items() if choices[0] == TINY]
+    if tiny_types:
+        which = "every tab" if len(tiny_types) == len(service.choices) else "the " + ", ".join(tiny_types) + " tab(s)"
+        return (
+            "### ⚠️ Random weights: the audio is noise\n"
+            f"The app serves the built-in tiny random checkpoints in {which} (`--tiny`, or `tiny` in `--models`), "
+            "for trying the interface and measuring its latency. Start it without them to use the real Qwen3-TTS checkpoints."
+        )
+    return ""
+
+
+def banner_update(service: ModelService) -> dict:
+    text = banner_markdown(service)
+    return gr.update(value=text, visible=bool(text))
+
+
+def load_checkpoint(service: ModelService, model_type: str, checkpoint: str, progress: gr.Progress) -> ModelInfo:
+    """Load (first use) and describe a checkpoint; download progress shows through tqdm tracking."""
+    if not service.is_loaded(model_type, checkpoint):
+        progress(0, desc=f"Loading {checkpoint_label(checkpoint)} (first use of this checkpoint)…")
+    try:
+        return service.info(model_type, checkpoint)
+    except TTSInputError as exc:
+        raise gr.Error(str(exc)) from None
+
+
+def generation(
+    service: ModelService,
+    panel: LatencyPanel,
+    speech: SpeechRequest,
+    run_id: str,
+    request: gr.Request | None,
+    progress: gr.Progress,
+) -> Iterator[dict]:
+    """The generation handler's body, one per tab: validate, warn, then stream into the panel."""
+    received = time.perf_counter()
+    key = run_key(request, panel.name, run_id)
+    try:
+        load_checkpoint(service, speech.model_type, speech.checkpoint or service.default_checkpoint(speech.model_type), progress)
+        stream = service.stream(speech, key)
+        try:
+            start = next(stream)  # validation happens here, before any audio
+        except TTSInputError as exc:
+            raise gr.Error(str(exc)) from None
+        for warning in start.warnings:
+            gr.Warning(warning)
+        try:
+            yield from panel.stream(start, stream, run_id, received, stop=lambda: service.stop(key))
+        finally:
+            stream.close()
+    finally:
+        panel.end(run_id)
+
+
+def run_key(request: gr.Request | None, tab: str, run_id: str) -> str:
+    # A run is known by browser session, tab and run id: Stop must reach this run and no other.
+    return f"{getattr(request, 'session_hash', None) or ''}:{tab}:{run_id or ''}"
+
+
+def wire_loading(parts: TabParts) -> None:
+    """A tab's checkpoint loads when the tab is first opened or another checkpoint is picked."""
+    parts.tab.select(parts.load, inputs=parts.load_inputs, outputs=parts.load_outputs, api_visibility="private")
+    parts.checkpoint.change(parts.load, inputs=parts.load_inputs, outputs=parts.load_outputs, api_name=f"{parts.name}_load")
+
+
+def wire_buttons(
+    service: ModelService,
+    panel: LatencyPanel,
+    generate: gr.Button,
+    stop: gr.Button,
+    handler: Callable[..., Iterator[dict]],
+    inputs: list[gr.components.Component],
+    concurrency_id: str,
+) -> None:
+    """Generate runs `handler` in the model's queue (one utterance at a time per model, as the model
+    itself serves one); Stop silences the player, stops the stream and frees the slot at once."""
+    event = generate.click(
+        handler,
+        inputs=inputs + [panel.run_id],
+        outputs=panel.outputs,
+        js=panel.arm_js(),
+        concurrency_limit=1,
+        concurrency_id=concurrency_id,
+        show_progress="hidden",  # the player and the summary show progress; spinners only cost the click time
+        api_name=f"{panel.name}_generate",
+    )
+
+    def stop_stream(run_id: str, request: gr.Request) -> None:
+        service.stop(run_key(request, panel.name, run_id))
+
+    stop.click(stop_stream, inputs=panel.run_id, js=panel.stop_js(), cancels=[event], queue=False, api_name=f"{panel.name}_stop")

@@ -1,0 +1,51 @@
+"""Voice design tab: a voice described in words speaks the text."""
+from __future__ import annotations
+
+import gradio as gr
+
+from pipeline.service import ModelService, SpeechRequest
+from ui import controls
+from ui.latency import LatencyPanel
+
+NAME = "design"
+MODEL_TYPE = "voice_design"
+EXAMPLES = [
+    ["A deep, gravelly male voice with a slight British accent, speaking slowly and calmly.",
+     "The old lighthouse keeper climbed the stairs one last time, and looked out over the grey sea."],
+    ["A bright, energetic young woman, fast and cheerful, like a morning radio host.",
+     "Good morning everyone! The sun is out, the coffee is hot, and we have a great show for you today."],
+    ["体现撒娇稚嫩的萝莉女声，音调偏高且起伏明显。", "哥哥，你回来啦，人家等了你好久好久了，要抱抱！"],
+]
+
+
+def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
+    with gr.Tab("Voice design", id=NAME) as tab:
+        gr.Markdown("Describe a voice in words (timbre, age, accent, emotion, pace) and hear it speak.")
+        with gr.Row():
+            with gr.Column():
+                checkpoint = controls.checkpoint_picker(service, MODEL_TYPE, NAME)
+                model_status = controls.model_status(NAME)
+                description = gr.Textbox(EXAMPLES[0][0], label="Voice description", lines=3, elem_id=f"{NAME}-description")
+                text = gr.Textbox(EXAMPLES[0][1], label="Text to speak", lines=3, max_lines=controls.MAX_TEXT_LINES, elem_id=f"{NAME}-text")
+                gr.Examples(EXAMPLES, inputs=[description, text], label="Examples")
+            with gr.Column():
+                language = controls.language_picker(NAME)
+                advanced = controls.Advanced.create(NAME)
+                generate, stop = controls.buttons(NAME)
+        panel = LatencyPanel.create(NAME)
+
+    def load(name: str, current_language: str, progress=gr.Progress(track_tqdm=True)):
+        info = controls.load_checkpoint(service, MODEL_TYPE, name, progress)
+        return controls.banner_update(service), controls.status_text(info), controls.language_update(info, current_language)
+
+    def speak(name, voice, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
+              request: gr.Request, progress=gr.Progress(track_tqdm=True)):
+        speech = SpeechRequest(
+            MODEL_TYPE, text, checkpoint=name, language=language, instruct=voice,
+            **controls.sampling_fields(temperature, top_k, top_p, penalty, seed, schedule, max_seconds),
+        )
+        yield from controls.generation(service, panel, speech, run_id, request, progress)
+
+    inputs = [checkpoint, description, text, language, *advanced.inputs]
+    controls.wire_buttons(service, panel, generate, stop, speak, inputs, concurrency_id=MODEL_TYPE)
+    return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language])
