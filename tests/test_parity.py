@@ -144,3 +144,49 @@ def test_voice_prompt_equals_reference(our_models, reference_models, reference_w
     theirs = reference_models["base"].create_voice_clone_prompt(str(reference_wav), REF_TEXT)[0]
     assert torch.equal(ours.ref_codes, theirs.ref_code)
     torch.testing.assert_close(ours.speaker_embedding, theirs.ref_spk_embedding, rtol=0, atol=1e-5)
+
+
+def _amplified_checkpoint(source, target, rows: slice, factor: float, keep: int | None = None):
+    """A copy of a tiny checkpoint whose codec-head rows `rows` (all but `keep`) are scaled by `factor`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    weights = load_file(target / "model.safetensors")
+    head = weights["talker.codec_head.weight"]
+    scale = torch.ones(head.shape[0], 1)
+    scale[rows] = factor
+    if keep is not None:
+        scale[keep] = 1.0
+    weights["talker.codec_head.weight"] = head * scale
+    save_file(weights, target / "model.safetensors")
+    return target
+
+
+@pytest.mark.parametrize("case", ["control_ids_dominate", "eos_dominates"])
+def test_logit_processors_equal_reference(case, tiny_checkpoints, tmp_path):
+    """Control ids (>= 2048) made to dominate the logits: suppression and the EOS rules must decide.
+
+    With rows 2048.. scaled up (EOS kept), every frame's argmax would be a control id unless the
+    suppressed range is exactly the reference's; with the EOS row scaled up, the utterance must end
+    exactly where the reference's does (never within the first two frames).
+    """
+    from qwen_tts import Qwen3TTSModel
+
+    eos = 2150
+    if case == "control_ids_dominate":
+        path = _amplified_checkpoint(tiny_checkpoints["custom_voice"], tmp_path / "ckpt", slice(2048, None), 30.0, keep=eos)
+    else:
+        path = _amplified_checkpoint(tiny_checkpoints["custom_voice"], tmp_path / "ckpt", slice(eos, eos + 1), 30.0)
+    reference = Qwen3TTSModel.from_pretrained(str(path), dtype=torch.float32)
+    expected = run_reference(reference, "generate_custom_voice", None, speaker="ryan", language="english").codes
+    tts = TTS.from_pretrained(str(path))
+    request = tts.prepare(TEXT, speaker="ryan", language="english")
+    codes = torch.stack(list(tts.generate_codes(request, tts.sampling(greedy=True), max_frames=FRAMES)))
+    assert torch.equal(codes, expected)
+    assert (codes[:, 0] < 2048).all()
+    if case == "eos_dominates":
+        assert 2 <= len(codes) < FRAMES, "the amplified EOS should end the utterance early, but not before frame 2"
+    else:
+        assert len(codes) == FRAMES
