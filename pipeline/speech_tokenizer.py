@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import CheckpointError
+from pipeline.layers import RMSNorm, apply_rope, rope_tables
 
 __all__ = [
     "DecoderConfig",
@@ -184,20 +185,6 @@ def _derive_all_(module: nn.Module) -> None:
             m._derive_()
 
 
-def _rope(n: int, head_dim: int, theta: float, dtype: torch.dtype, device: torch.device):
-    """cos/sin [n, head_dim] for positions 0..n-1, computed in float32 and cast like the reference."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim)
-    freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; cos/sin: [T, D]. "rotate_half" RoPE (first half / second half pairs).
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class StreamState:
     """The streaming state of every stateful layer below `root`, preallocated for one stream.
 
@@ -351,19 +338,6 @@ class DecoderBlock(nn.Module):
         return x
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Variance in float32, as the reference (bf16 variance is audibly worse, see DESIGN.md).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
 class LayerScale(nn.Module):
     def __init__(self, dim: int, initial: float):
         super().__init__()
@@ -424,8 +398,8 @@ class SlidingWindowAttention(nn.Module):
         k, v = torch.cat((k_tail, k), dim=2), torch.cat((v_tail, v), dim=2)
         k_tail.copy_(k[:, :, t:])
         v_tail.copy_(v[:, :, t:])
-        q = _rotate(q, cos[self.history:], sin[self.history:])
-        k = _rotate(k, cos, sin)
+        q = apply_rope(q, cos[self.history:], sin[self.history:])
+        k = apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -483,7 +457,7 @@ class DecoderTransformer(nn.Module):
         t, window = x.shape[1], self.config.sliding_window
         history = window - 1
         x = self.input_proj(x)
-        cos, sin = _rope(history + t, self.config.head_dim, self.config.rope_theta, x.dtype, x.device)
+        cos, sin = (c.to(x.dtype) for c in rope_tables(self.config.head_dim, self.config.rope_theta, history + t, x.device))
         q_pos = torch.arange(history, history + t, device=x.device)[:, None]
         k_pos = torch.arange(history + t, device=x.device)[None, :]
         seen = state[self]
@@ -669,7 +643,7 @@ class _MimiAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         # Full causal attention: the checkpoints were trained / released with transformers 4.57,
         # whose Mimi ignored `sliding_window` (250); honouring it changes codes beyond 10 s.
-        out = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True,
+        out = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True,
                                              scale=self.scale, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -706,7 +680,7 @@ class _MimiTransformer(nn.Module):
         self.layers = nn.ModuleList([_MimiLayer(config) for _ in range(config.num_hidden_layers)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cos, sin = _rope(x.shape[1], self.config.head_dim, self.config.rope_theta, x.dtype, x.device)
+        cos, sin = (c.to(x.dtype) for c in rope_tables(self.config.head_dim, self.config.rope_theta, x.shape[1], x.device))
         for layer in self.layers:
             x = layer(x, cos, sin)
         return x

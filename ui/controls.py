@@ -176,6 +176,16 @@ def load_checkpoint(service: ModelService, model_type: str, checkpoint: str, pro
         raise gr.Error(str(exc)) from None
 
 
+def model_loader(service: ModelService, model_type: str):
+    """The tab-load handler of tabs whose checkpoint sets only the language choices: banner, status, language."""
+
+    def load(name: str, current_language: str, progress=gr.Progress(track_tqdm=True)):
+        info = load_checkpoint(service, model_type, name, progress)
+        return banner_update(service), status_text(info), language_update(info, current_language)
+
+    return load
+
+
 def generation(
     service: ModelService,
     panel: LatencyPanel,

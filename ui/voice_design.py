@@ -34,9 +34,7 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
                 generate, stop = controls.buttons(NAME)
         panel = LatencyPanel.create(NAME)
 
-    def load(name: str, current_language: str, progress=gr.Progress(track_tqdm=True)):
-        info = controls.load_checkpoint(service, MODEL_TYPE, name, progress)
-        return controls.banner_update(service), controls.status_text(info), controls.language_update(info, current_language)
+    load = controls.model_loader(service, MODEL_TYPE)
 
     def speak(name, voice, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
               request: gr.Request, progress=gr.Progress(track_tqdm=True)):
