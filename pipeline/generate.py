@@ -22,6 +22,7 @@ import torch
 from pipeline.model import Talker
 
 MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two codebook-0 tokens
+PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompt lengths with a prefill CUDA graph
 M32 = 0xFFFFFFFF
 
 
@@ -116,17 +117,16 @@ class FrameDecoder:
         self.sampling = SamplingConfig()
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.graphs: dict[SamplingConfig, torch.cuda.CUDAGraph] = {}
-        # Compiled, the decode step fuses norms, RoPE, residuals and sampling into few kernels, and
-        # prefill runs one dynamic-shape compile instead of ~60 Python-launched ops a layer.
+        # Prefill graphs per prompt-length bucket: (graph, input embeddings [1, B, hidden], output [1, B, hidden]).
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # Compiled, the decode step fuses norms, RoPE, residuals and sampling into few kernels.
         self.talker_stack, self.predictor_stack = talker.model, talker.code_predictor.model
-        self.prefill_stack = talker.model
         self.sample, self.noise = sample, exponential_noise
         if compiled:
             # Every model in the process adds its own entries (prefill, decode, predictor steps) to
             # the shared Transformer.forward; dynamo's default limit of 8 would stop the third model.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             options = dict(fullgraph=True, dynamic=False)
-            self.prefill_stack = torch.compile(talker.model, fullgraph=True, dynamic=True)  # one compile for every prompt length
             self.talker_stack = torch.compile(talker.model, **options)
             self.predictor_stack = torch.compile(talker.code_predictor.model, **options)
             self.sample, self.noise = torch.compile(sample, **options), torch.compile(exponential_noise, **options)
@@ -166,7 +166,16 @@ class FrameDecoder:
         length = prompt.shape[1]
         if length + 1 > self.max_seq:
             raise ValueError(f"The prompt has {length} positions; this decoder holds at most {self.max_seq - 1}.")
-        hidden, logits = self.talker(prompt, torch.arange(length, device=prompt.device), stack=self.prefill_stack)
+        bucket = next((b for b in PREFILL_BUCKETS if length <= b <= self.max_seq), None)
+        if self.use_cuda_graphs and bucket is not None:
+            graph, embeds, out = self.prefill_graphs.get(bucket) or self._capture_prefill(bucket)
+            embeds.zero_()
+            embeds[:, :length] = prompt
+            graph.replay()
+            hidden = out[:, length - 1]
+            logits = self.talker.codec_head(hidden)
+        else:
+            hidden, logits = self.talker(prompt, torch.arange(length, device=prompt.device))
         self.hidden.copy_(hidden)
         self.pos.fill_(length)
         self.token.copy_(self._next_token(logits, self.frame))
@@ -217,6 +226,30 @@ class FrameDecoder:
         if graph is None:
             graph = self.graphs[self.sampling] = self._capture()
         return graph
+
+    def capture_prefill_graphs(self) -> None:
+        """Capture every prompt-length bucket now (at load), not in a user's time to first audio."""
+        if self.use_cuda_graphs:
+            for bucket in PREFILL_BUCKETS:
+                if bucket <= self.max_seq and bucket not in self.prefill_graphs:
+                    self._capture_prefill(bucket)
+
+    def _capture_prefill(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        """The talker stack over `bucket` positions as one graph. A shorter prompt is zero-padded at the
+        end: causal attention keeps the padding out of the real positions, and the cache slots it
+        fills are rewritten by the decode steps before any query can see them."""
+        embeds = torch.zeros(1, bucket, self.hidden.shape[-1], dtype=self.hidden.dtype, device=self.hidden.device)
+        positions = torch.arange(bucket, device=embeds.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.talker.model(embeds, positions)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.talker.model(embeds, positions)
+        self.prefill_graphs[bucket] = (graph, embeds, out)
+        return self.prefill_graphs[bucket]
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         """Capture `_step` on the current buffers, leaving them as they were (warm-up runs on a copy of the state)."""

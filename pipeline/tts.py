@@ -103,7 +103,10 @@ class TTS:
         torch_dev, torch_dt = torch_device(device), torch_dtype(dtype)
         directory = resolve_checkpoint(source)
         model = load_model(directory, torch_dev, torch_dt)
-        speech_tokenizer = SpeechTokenizer.from_pretrained(directory / "speech_tokenizer", torch_dev, torch_dt)
+        # The codec runs in float32 whatever the talker's dtype: in bf16 its 12-stage vocoder turns
+        # rounding into ~0.05 of difference between chunked and offline decoding (docs/BENCHMARKS.md),
+        # and reference codes from a bf16 encoder differ from float32 ones; its cost is small.
+        speech_tokenizer = SpeechTokenizer.from_pretrained(directory / "speech_tokenizer", torch_dev, torch.float32)
         text_tokenizer = AutoTokenizer.from_pretrained(str(directory))
         return cls(model, text_tokenizer, speech_tokenizer, read_json(directory, "generation_config.json"), str(source), **options)
 
@@ -248,6 +251,7 @@ class TTS:
         for _ in self.stream("Warm up.", speaker=speaker, voice_prompt=voice, sampling=sampling, max_frames=3, seed=0):
             pass
         with self.lock, torch.inference_mode():
+            self.decoder.capture_prefill_graphs()
             for frames in range(1, max(DEFAULT_SCHEDULE) + 1):  # every chunk size a stream can ask for
                 self.vocoder.decode_chunk(torch.zeros(frames, 16, dtype=torch.long, device=self.device))
             self.vocoder.reset()
