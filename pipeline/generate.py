@@ -117,8 +117,8 @@ class FrameDecoder:
         self.sampling = SamplingConfig()
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.graphs: dict[SamplingConfig, torch.cuda.CUDAGraph] = {}
-        # Prefill graphs per prompt-length bucket: (graph, input embeddings [1, B, hidden], output [1, B, hidden]).
-        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # Prefill graphs per prompt-length bucket: (graph, input embeddings [1, B, hidden], output [1, B, hidden], positions).
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # Compiled, the decode step fuses norms, RoPE, residuals and sampling into few kernels.
         self.talker_stack, self.predictor_stack = talker.model, talker.code_predictor.model
         self.sample, self.noise = sample, exponential_noise
@@ -168,7 +168,7 @@ class FrameDecoder:
             raise ValueError(f"The prompt has {length} positions; this decoder holds at most {self.max_seq - 1}.")
         bucket = next((b for b in PREFILL_BUCKETS if length <= b <= self.max_seq), None)
         if self.use_cuda_graphs and bucket is not None:
-            graph, embeds, out = self.prefill_graphs.get(bucket) or self._capture_prefill(bucket)
+            graph, embeds, out, _ = self.prefill_graphs.get(bucket) or self._capture_prefill(bucket)
             embeds.zero_()
             embeds[:, :length] = prompt
             graph.replay()
@@ -234,7 +234,7 @@ class FrameDecoder:
                 if bucket <= self.max_seq and bucket not in self.prefill_graphs:
                     self._capture_prefill(bucket)
 
-    def _capture_prefill(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    def _capture_prefill(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The talker stack over `bucket` positions as one graph. A shorter prompt is zero-padded at the
         end: causal attention keeps the padding out of the real positions, and the cache slots it
         fills are rewritten by the decode steps before any query can see them."""
@@ -248,7 +248,8 @@ class FrameDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self.talker.model(embeds, positions)
-        self.prefill_graphs[bucket] = (graph, embeds, out)
+        # `positions` is read by the graph at replay: it must live as long as the graph.
+        self.prefill_graphs[bucket] = (graph, embeds, out, positions)
         return self.prefill_graphs[bucket]
 
     def _capture(self) -> torch.cuda.CUDAGraph:
