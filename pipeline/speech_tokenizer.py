@@ -185,6 +185,13 @@ def _derive_all_(module: nn.Module) -> None:
             m._derive_()
 
 
+def exact_float32_convolutions():
+    """cuDNN convolutions without TF32 (PyTorch's default allows it): with TF32, chunked and offline
+    decoding round differently (~2e-3 on an H200) and encoded reference codes drift from the CPU's."""
+    cudnn = torch.backends.cudnn
+    return cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False)
+
+
 class StreamState:
     """The streaming state of every stateful layer below `root`, preallocated for one stream.
 
@@ -548,7 +555,8 @@ class SpeechDecoder(nn.Module):
             + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)])
 
     def forward(self, codes: torch.Tensor, state: StreamState) -> torch.Tensor:
-        return self.vocode(self.latents(codes, state), state)
+        with exact_float32_convolutions():
+            return self.vocode(self.latents(codes, state), state)
 
     def latents(self, codes: torch.Tensor, state: StreamState) -> torch.Tensor:
         """codes [B, T, 16] -> transformer output [B, latent_dim, T] (12.5 Hz)."""
@@ -762,7 +770,8 @@ class SpeechEncoder(nn.Module):
         return self.downsample(h)
 
     def forward(self, wav: torch.Tensor) -> torch.Tensor:
-        codes = self.quantizer.encode(self.latents(wav), self.n_codebooks)
+        with exact_float32_convolutions():
+            codes = self.quantizer.encode(self.latents(wav), self.n_codebooks)
         # The convs' right padding can add a frame; the reference keeps ceil(samples / 1920).
         return codes[:, :-(-wav.shape[-1] // self.samples_per_frame)]
 
