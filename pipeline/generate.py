@@ -123,7 +123,7 @@ class FrameDecoder:
         self.talker_stack, self.predictor_stack = talker.model, talker.code_predictor.model
         self.sample, self.noise = sample, exponential_noise
         if compiled:
-            # Every model in the process adds its own entries (prefill, decode, predictor steps) to
+            # Every model in the process adds its own entries (talker step, predictor steps, sampling) to
             # the shared Transformer.forward; dynamo's default limit of 8 would stop the third model.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             options = dict(fullgraph=True, dynamic=False)

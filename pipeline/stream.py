@@ -67,16 +67,27 @@ def parse_schedule(text: str) -> tuple[int, ...]:
     return schedule
 
 
+def _pieces(sentence: str, limit: int) -> list[str]:
+    """A sentence longer than `limit` cut at its last clause break (or space) before the limit, so no
+    segment outgrows the talker's static cache; a single unbroken run of characters is cut hard."""
+    pieces = []
+    while len(sentence) > limit:
+        cut = max(sentence.rfind(mark, 0, limit) for mark in (", ", "，", "、", "; ", " "))
+        cut = cut + 1 if cut > 0 else limit
+        pieces.append(sentence[:cut].strip())
+        sentence = sentence[cut:].strip()
+    return pieces + [sentence] if sentence else pieces
+
+
 def split_text(text: str, limit: int = SEGMENT_CHARS) -> list[str]:
-    """Sentences packed into segments of at most `limit` characters (a longer sentence stays whole)."""
+    """Sentences packed into segments of at most `limit` characters (longer sentences cut at clause breaks)."""
     segments: list[str] = []
     for sentence in (s.strip() for s in _SENTENCE_END.split(text.strip())):
-        if not sentence:
-            continue
-        if segments and len(segments[-1]) + 1 + len(sentence) <= limit:
-            segments[-1] = f"{segments[-1]} {sentence}"
-        else:
-            segments.append(sentence)
+        for piece in _pieces(sentence, limit):
+            if segments and len(segments[-1]) + 1 + len(piece) <= limit:
+                segments[-1] = f"{segments[-1]} {piece}"
+            else:
+                segments.append(piece)
     return segments
 
 

@@ -112,11 +112,14 @@ def test_long_text_streams_segment_after_segment_in_one_voice(design):
     assert np.abs(np.concatenate([c.audio for c in chunks]) - design.decode(run.codes_out)).max() <= 1e-5
 
 
-def test_split_text_keeps_short_text_whole_and_never_splits_inside_a_sentence():
+def test_split_text_keeps_short_text_whole_and_cuts_long_sentences_at_clause_breaks():
     assert split_text("One. Two! Three?") == ["One. Two! Three?"]
     long_sentence = " ".join(["word"] * 100) + "."
-    assert split_text(long_sentence + " Next.", limit=50) == [long_sentence, "Next."]
-    assert split_text("It costs 3.5 euros. Fine.", limit=10) == ["It costs 3.5 euros.", "Fine."]
+    pieces = split_text(long_sentence + " Next.", limit=50)
+    assert all(len(p) <= 50 for p in pieces) and " ".join(pieces) == long_sentence + " Next."
+    assert split_text("one, two, three, four.", limit=12) == ["one, two,", "three, four."]
+    assert split_text("x" * 25, limit=10) == ["x" * 10, "x" * 10, "x" * 5]
+    assert split_text("It costs 3.5 euros. Fine.", limit=20) == ["It costs 3.5 euros.", "Fine."]
     assert split_text("第一句。第二句！", limit=4) == ["第一句。", "第二句！"]
 
 
@@ -138,3 +141,12 @@ def test_worker_errors_reach_the_consumer(design, monkeypatch):
     assert design.lock.acquire(blocking=False)
     design.lock.release()
     assert threading.active_count() < 20
+
+
+def test_text_at_the_length_limit_without_punctuation_streams(design):
+    from pipeline.tts import MAX_TEXT_CHARS
+
+    text = ("word " * MAX_TEXT_CHARS)[: MAX_TEXT_CHARS - 1]
+    run = design.stream(text, instruct="Calm.", max_frames=3)
+    assert len(run.requests) == len(split_text(text)) > 10
+    assert sum(c.frames for c in run) == 3
