@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.errors import CheckpointError, TTSInputError
-from pipeline.model import Qwen3TTS, TTSConfig
+from pipeline.model import MODEL_TYPES, Qwen3TTS, TTSConfig
 
 REQUIRED_FILES = (
     "config.json",
@@ -87,7 +87,13 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(directory: Path, device: torch.device, dtype: torch.dtype) -> Qwen3TTS:
-    config = TTSConfig.from_dict(read_json(directory, "config.json"))
+    raw = read_json(directory, "config.json")
+    if raw.get("tts_model_type") not in MODEL_TYPES:
+        raise CheckpointError(
+            f"{directory / 'config.json'} has tts_model_type {raw.get('tts_model_type')!r}; "
+            f"a Qwen3-TTS 12 Hz checkpoint has one of {', '.join(MODEL_TYPES)}."
+        )
+    config = TTSConfig.from_dict(raw)
     with torch.device("meta"):
         model = Qwen3TTS(config)
     result = model.load_state_dict(load_weights(directory), strict=False, assign=True)

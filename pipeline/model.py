@@ -91,12 +91,15 @@ class TalkerConfig:
         return cls(**values)
 
 
+MODEL_TYPES = ("base", "custom_voice", "voice_design")  # the released Qwen3-TTS 12 Hz model types
+
+
 @dataclass
 class TTSConfig:
     talker_config: TalkerConfig
     speaker_encoder_config: SpeakerEncoderConfig
     tts_model_type: str
-    tts_model_size: str
+    tts_model_size: str = ""
     tokenizer_type: str = "qwen3_tts_tokenizer_12hz"
     im_start_token_id: int = 151644
     im_end_token_id: int = 151645

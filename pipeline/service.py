@@ -19,12 +19,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.errors import CheckpointError, TTSInputError
+from pipeline.model import MODEL_TYPES
 from pipeline.stream import Chunk, StreamRun, parse_schedule
 from pipeline.tts import TTS, VoicePrompt
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("base", "custom_voice", "voice_design")
 # The official checkpoints per model type; the first is each tab's default.
 HUB_CHECKPOINTS: dict[str, tuple[str, ...]] = {
     "base": ("Qwen/Qwen3-TTS-12Hz-0.6B-Base", "Qwen/Qwen3-TTS-12Hz-1.7B-Base"),

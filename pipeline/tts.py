@@ -26,7 +26,6 @@ MAX_TEXT_CHARS = 5000
 DEFAULT_MAX_SEQ = 2048  # talker positions per segment: prompt + up to ~2.5 min of audio; long texts are split
 OFFLINE_CHUNK = 64  # frames per vocoder call when nobody is listening live
 SAMPLES_PER_FRAME = 1920
-MODEL_TYPES = ("base", "custom_voice", "voice_design")
 
 
 @dataclass
@@ -92,8 +91,6 @@ class TTS:
         on_cuda = self.device.type == "cuda"
         self.generation_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self.vocoder_stream = torch.cuda.Stream(self.device) if on_cuda else None
-        if self.model_type not in MODEL_TYPES:
-            raise TTSInputError(f"Unknown tts_model_type '{self.model_type}' in config.json: expected one of {', '.join(MODEL_TYPES)}.")
 
     @classmethod
     def from_pretrained(cls, source: str, device: str = "cpu", dtype: str = "float32", **options) -> "TTS":

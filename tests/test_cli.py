@@ -183,3 +183,16 @@ def test_unwritable_output_and_bad_max_frames(capsys, synth_args, tmp_path):
     assert code == EXIT_BAD_INPUT and "does not exist" in err
     code, err = cli_error(capsys, *synth_args("voice_design", "--text", "Hi."), "--max-frames", "0")
     assert code == EXIT_BAD_INPUT and "at least 1" in err
+
+
+def test_config_without_a_known_model_type_is_a_checkpoint_error(capsys, tiny_checkpoints, tmp_path):
+    import json
+    import shutil
+
+    broken = tmp_path / "odd"
+    shutil.copytree(tiny_checkpoints["voice_design"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["tts_model_type"] = "singing_voice"
+    (broken / "config.json").write_text(json.dumps(config))
+    code, err = cli_error(capsys, "synth", "--model", str(broken), "--text", "Hi.", "--out", str(tmp_path / "o.wav"))
+    assert code == EXIT_BAD_CHECKPOINT and "tts_model_type 'singing_voice'" in err
