@@ -196,3 +196,15 @@ def test_config_without_a_known_model_type_is_a_checkpoint_error(capsys, tiny_ch
     (broken / "config.json").write_text(json.dumps(config))
     code, err = cli_error(capsys, "synth", "--model", str(broken), "--text", "Hi.", "--out", str(tmp_path / "o.wav"))
     assert code == EXIT_BAD_CHECKPOINT and "tts_model_type 'singing_voice'" in err
+
+
+def test_unavailable_device_and_dtype(capsys, synth_args, tiny_checkpoints):
+    import torch
+
+    from pipeline.errors import TTSInputError
+
+    if not torch.cuda.is_available():
+        code, err = cli_error(capsys, *synth_args("voice_design", "--text", "Hi.", "--device", "cuda"))
+        assert code == EXIT_BAD_INPUT and "no CUDA GPU is available" in err
+    with pytest.raises(TTSInputError, match="Unsupported dtype 'float16'"):
+        TTS.from_pretrained(str(tiny_checkpoints["voice_design"]), dtype="float16")
