@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.generate import FrameDecoder, SamplingConfig
+from pipeline.generate import SamplingConfig
 
 DEFAULT_SCHEDULE = (1, 2, 4, 8, 16)  # frames per chunk; the last size repeats
 AUDIO_AHEAD = 4

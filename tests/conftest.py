@@ -1,4 +1,5 @@
 import importlib.util
+import socket
 import sys
 from pathlib import Path
 
@@ -36,3 +37,25 @@ def reference_wav(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("audio") / "reference.wav"
     sf.write(path, voice_like(3.2), 24000, subtype="FLOAT")
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live_app(tiny_checkpoints):
+    """The app on a free localhost port, serving the tiny checkpoints with every model loaded: (url, service)."""
+    from pipeline.service import ModelService
+    from ui.app import build_demo, launch_options
+
+    service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)
+    service.preload()  # loading is tested elsewhere; here every request should find its model ready
+    demo = build_demo(service)
+    demo.queue(default_concurrency_limit=None)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
+    yield f"http://127.0.0.1:{port}/", service
+    demo.close()

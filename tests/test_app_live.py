@@ -1,11 +1,9 @@
 """The app served on localhost with the tiny checkpoints, driven through `gradio_client` and the PCM
 route: every tab streams, every bad input gets its own message and the app keeps serving, Stop
 frees the model's slot at once, and several sessions are served at the same time."""
-import socket
 import struct
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -14,8 +12,7 @@ import soundfile as sf
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from pipeline.service import TINY, ModelService
-from ui.app import build_demo, launch_options
+from pipeline.service import TINY
 
 from conftest import voice_like
 
@@ -24,22 +21,10 @@ SHORT = (0.9, 50, 1.0, 1.05, 7, "1, 2, 4, 8, 16", 2)  # sampling, seed 7, schedu
 LONG = (0.9, 50, 1.0, 1.05, 7, "1", 160)  # one frame per chunk, up to 160 s: runs until stopped
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tiny_checkpoints):
-    service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)
-    service.preload()  # loading is tested elsewhere; here every request should find its model ready
-    demo = build_demo(service)
-    demo.queue(default_concurrency_limit=None)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
-    yield {"url": f"http://127.0.0.1:{port}/", "service": service}
-    demo.close()
+def server(live_app):
+    url, service = live_app
+    return {"url": url, "service": service}
 
 
 @pytest.fixture()

@@ -5,15 +5,11 @@ import importlib.util
 import os
 import re
 import shutil
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import pytest
-
-from pipeline.service import ModelService
-from ui.app import build_demo, launch_options
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -38,22 +34,9 @@ if browser_missing() and not os.environ.get("CI"):
     pytest.skip(browser_missing(), allow_module_level=True)  # on CI a missing browser fails below instead
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def app_url(tiny_checkpoints):
-    service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)
-    service.preload()
-    demo = build_demo(service)
-    demo.queue(default_concurrency_limit=None)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+def app_url(live_app):
+    return live_app[0]
 
 
 @pytest.fixture(scope="module")
