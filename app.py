@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. --models clone=Qwen/Qwen3-TTS-12Hz-1.7B-Base custom=Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice,Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)",
     )
     parser.add_argument("--tiny", action="store_true", help="serve the built-in tiny random checkpoints (noise; for trying the UI offline)")
+    parser.add_argument(
+        "--rows", type=int, default=None,
+        help="utterances each model decodes together (its batch; default 16 on CUDA, 4 on CPU); more wait in a FIFO queue",
+    )
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link")
     parser.add_argument(
         "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step (faster start, ~2.5x slower frames)"
@@ -50,9 +54,11 @@ def main(argv: list[str] | None = None) -> None:
         choices = parse_models(args.models)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.rows is not None and not 1 <= args.rows <= 256:
+        parser.error(f"--rows takes a number from 1 to 256, not {args.rows}.")
     device = args.device or default_device()
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    service = ModelService(choices, device=device, dtype=dtype, tiny=args.tiny, compiled=device.startswith("cuda") and not args.no_compile)
+    service = ModelService(choices, device=device, dtype=dtype, tiny=args.tiny, compiled=device.startswith("cuda") and not args.no_compile, rows=args.rows)
     service.probe()
     if on_zero_gpu():
         service.preload()

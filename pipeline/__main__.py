@@ -1,17 +1,36 @@
-"""Command line: `python -m pipeline synth ...` and `python -m pipeline make-tiny ...`."""
+"""Command line: `python -m pipeline synth ...`, `synth-batch ...` and `make-tiny ...`.
+
+Exit codes: 0 done, 2 bad input (one sentence on stderr, before any work), 3 a checkpoint that
+cannot be found or loaded."""
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.errors import CheckpointError, TTSInputError
+from pipeline.loading import torch_device
+from pipeline.outputs import check_output_dir, check_output_path
+from pipeline.request import SpeechRequest
 
 EXIT_BAD_INPUT = 2
 EXIT_BAD_CHECKPOINT = 3
+REQUEST_OPTIONS = ("text", "speaker", "language", "instruct", "ref_audio", "ref_text", "x_vector_only", "greedy", "seed",
+                   "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k",
+                   "subtalker_top_p", "max_frames")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face Hub id (e.g. Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice) or local directory")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     synth = commands.add_parser("synth", help="synthesize speech to a WAV file")
-    synth.add_argument("--model", required=True, help="Hugging Face Hub id (e.g. Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice) or local directory")
+    _model_options(synth)
     synth.add_argument("--text", required=True)
     synth.add_argument("--speaker", help="preset speaker (CustomVoice checkpoints)")
     synth.add_argument("--language", default="auto")
@@ -37,10 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--subtalker-top-k", type=int)
     synth.add_argument("--subtalker-top-p", type=float)
     synth.add_argument("--max-frames", type=int, help="at most this many 80 ms frames (fewer if the model ends the utterance)")
-    synth.add_argument("--device", default="cpu", help="cpu or cuda")
-    synth.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    synth.add_argument("--out", required=True, type=Path, help="output WAV file")
+    synth.add_argument("--out", required=True, type=Path, help="output audio file (.wav, .flac or .ogg)")
     synth.add_argument("--codes-out", type=Path, help="save the generated codes as int64 [frames, 16] .npy")
+
+    batch = commands.add_parser("synth-batch", help="synthesize every request of a JSONL file together, in one engine")
+    _model_options(batch)
+    batch.add_argument("--requests", required=True, type=Path,
+                       help="JSONL: one object per line with a 'name' and synth's options (dashes as underscores)")
+    batch.add_argument("--out-dir", required=True, type=Path, help="receives NAME.wav and NAME.codes.npy per request")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random-weight checkpoint in the official layout")
     tiny.add_argument("--type", required=True, choices=["base", "custom_voice", "voice_design"])
@@ -49,9 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_writable(path: Path | None) -> None:
-    if path is not None and not path.parent.resolve().is_dir():
-        raise TTSInputError(f"Cannot write {path}: the directory {path.parent} does not exist.")
+def _request(options: dict) -> SpeechRequest:
+    return SpeechRequest.from_dict({k: v for k, v in options.items() if v is not None and v is not False or k == "text"}).validate()
 
 
 def synth(args: argparse.Namespace) -> None:
@@ -59,40 +81,116 @@ def synth(args: argparse.Namespace) -> None:
 
     from pipeline.tts import TTS
 
-    _check_writable(args.out)
-    _check_writable(args.codes_out)
-    if args.max_frames is not None and args.max_frames < 1:
-        raise TTSInputError(f"--max-frames must be at least 1 (got {args.max_frames}).")
+    request = _request({name: getattr(args, name) for name in REQUEST_OPTIONS})
+    check_output_path(args.out, "audio")
+    if args.codes_out is not None:
+        check_output_path(args.codes_out, "codes")
+    torch_device(args.device)
     tts = TTS.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    voice_prompt = None
-    if args.ref_audio is not None:
-        voice_prompt = tts.create_voice_prompt(args.ref_audio, args.ref_text, args.x_vector_only)
-    elif tts.model_type == "base":
-        raise TTSInputError("This is a Base (voice clone) checkpoint: give --ref-audio (and --ref-text, or --x-vector-only).")
-    elif args.ref_text or args.x_vector_only:
-        raise TTSInputError("--ref-text and --x-vector-only need --ref-audio, which only Base checkpoints take.")
-    sampling = tts.sampling(
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        subtalker_temperature=args.subtalker_temperature,
-        subtalker_top_k=args.subtalker_top_k,
-        subtalker_top_p=args.subtalker_top_p,
-    )
     start = time.perf_counter()
-    result = tts.synthesize(
-        args.text, args.language, args.speaker, args.instruct, voice_prompt, sampling, args.max_frames, args.seed
-    )
+    result = tts.synthesize(request)
     wall = time.perf_counter() - start
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    sf.write(args.out, result.audio, result.sample_rate, subtype="FLOAT")
+    sf.write(args.out, result.audio, result.sample_rate, subtype="FLOAT" if args.out.suffix.lower() == ".wav" else None)
     if args.codes_out is not None:
-        np.save(args.codes_out, result.codes.astype(np.int64))
+        save_codes(args.codes_out, result.codes)
     seconds = len(result.audio) / result.sample_rate
     print(f"frames: {len(result.codes)}  audio: {seconds:.2f} s  wall: {wall:.2f} s  RTF: {wall / seconds:.3f}  -> {args.out}")
+
+
+def save_codes(path: Path, codes: np.ndarray) -> None:
+    with open(path, "wb") as f:  # through a file object, np.save keeps the name as given
+        np.save(f, codes.astype(np.int64))
+
+
+@dataclass
+class BatchLine:
+    number: int
+    name: str
+    request: SpeechRequest | None = None
+    error: str | None = None
+
+
+def read_batch(path: Path) -> list[BatchLine]:
+    """Every non-empty line of a JSONL request file, parsed and validated (problems kept per line)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TTSInputError(f"Cannot read the request file {path}: {exc}.") from None
+    parsed, names = [], set()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        item = BatchLine(number, "?")
+        parsed.append(item)
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            item.error = f"not valid JSON ({exc.msg})"
+            continue
+        try:
+            item.name = _batch_name(data, names)
+            options = {k: v for k, v in data.items() if k != "name"}
+            if isinstance(options.get("ref_audio"), str) and not Path(options["ref_audio"]).is_absolute():
+                options["ref_audio"] = str(path.parent / options["ref_audio"])  # relative to the request file
+            item.request = SpeechRequest.from_dict(options).validate()
+            names.add(item.name)
+        except TTSInputError as exc:
+            item.error = str(exc)
+    if not parsed:
+        raise TTSInputError(f"The request file {path} has no requests.")
+    return parsed
+
+
+def _batch_name(data, taken: set[str]) -> str:
+    name = data.get("name") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not SAFE_NAME.match(name):
+        raise TTSInputError("every request needs a 'name' made of letters, digits, '.', '_' or '-' (it names the output files)")
+    if name in taken:
+        raise TTSInputError(f"the name '{name}' is used by an earlier line")
+    return name
+
+
+def synth_batch(args: argparse.Namespace) -> int:
+    import soundfile as sf
+
+    from pipeline.tts import TTS
+
+    lines = read_batch(args.requests)
+    check_output_dir(args.out_dir)
+    torch_device(args.device)
+    tts = TTS.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_queue=len(lines))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    submitted = []
+    for line in lines:
+        if line.request is None:
+            continue
+        try:
+            handle = tts.submit(line.request)
+        except TTSInputError as exc:
+            line.error = str(exc)
+            continue
+        submitted.append((line, handle))
+    for line, handle in submitted:
+        start = time.perf_counter()
+        try:
+            chunks = list(handle)
+        except Exception as exc:  # one failed request must not lose the others' results
+            line.error = f"failed: {exc}"
+            continue
+        audio = np.concatenate([c.audio for c in chunks])
+        sf.write(args.out_dir / f"{line.name}.wav", audio, tts.sample_rate, subtype="FLOAT")
+        save_codes(args.out_dir / f"{line.name}.codes.npy", handle.codes.numpy())
+        for warning in dict.fromkeys(handle.warnings):
+            print(f"warning: line {line.number} ({line.name}): {warning}", file=sys.stderr)
+        wall = (time.perf_counter() - handle.submitted) if chunks else time.perf_counter() - start
+        print(f"{line.name}: frames {len(handle.codes)}  audio {len(audio) / tts.sample_rate:.2f} s  "
+              f"TTFA {chunks[0].elapsed_ms:.0f} ms  wall {wall:.2f} s")
+    bad = [line for line in lines if line.error]
+    for line in bad:
+        print(f"error: line {line.number} ({line.name}): {line.error}", file=sys.stderr)
+    return EXIT_BAD_INPUT if bad else 0
 
 
 def make_tiny(args: argparse.Namespace) -> None:
@@ -105,7 +203,12 @@ def make_tiny(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        synth(args) if args.command == "synth" else make_tiny(args)
+        if args.command == "synth":
+            synth(args)
+        elif args.command == "synth-batch":
+            return synth_batch(args)
+        else:
+            make_tiny(args)
     except TTSInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

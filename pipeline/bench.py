@@ -4,27 +4,33 @@ Weight values do not change speed, so no download is needed. Random weights woul
 at random frames; the EOS row of the codec head is zeroed so that EOS never reaches the top-k and
 every run produces exactly the frames asked for.
 
-Writes a JSON file and a markdown table (GPU, torch version, date, command next to the numbers).
+Measures: the decode step per frame at each occupancy of the batch, the vocoder, many concurrent
+streams through the engine (arriving together and staggered: aggregate x real time, time to first
+audio, gaps between chunks against the audio already buffered), and the determinism checks (the
+same seed alone and among other requests, graph against eager). Writes JSON and a markdown table
+(GPU, torch version, date, command next to the numbers).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipeline.generate import SamplingConfig
+from pipeline.codec import SpeechTokenizer, SpeechTokenizerConfig
 from pipeline.model import Qwen3TTS, TTSConfig
-from pipeline.speech_tokenizer import SpeechTokenizer, SpeechTokenizerConfig, randomize_speech_tokenizer_
-from pipeline.tiny import GENERATION_CONFIG, tiny_config, write_tiny_text_tokenizer
-from pipeline.tts import TTS, VoicePrompt
+from pipeline.request import SpeechRequest
+from pipeline.tiny import GENERATION_CONFIG, randomize_speech_tokenizer_, tiny_config, write_tiny_text_tokenizer
+from pipeline.tts import TTS
 
 SIZES = {
     "0.6B": dict(hidden_size=1024, intermediate_size=3072, text_hidden_size=2048),
@@ -32,6 +38,7 @@ SIZES = {
 }
 TEXT_20_WORDS = "The quick brown fox jumps over the lazy dog while the patient narrator reads every word of this sentence aloud."
 RUNS = 5
+FRAME_S = 0.08
 
 
 def real_size_config(size: str, model_type: str, special_ids: dict[str, int]) -> dict:
@@ -47,11 +54,12 @@ def real_size_config(size: str, model_type: str, special_ids: dict[str, int]) ->
 
 
 @torch.no_grad()
-def random_tts(size: str, model_type: str, device: str, dtype: torch.dtype, workdir: Path) -> TTS:
+def random_tts(size: str, model_type: str, device: str, dtype: torch.dtype, workdir: Path, **options) -> TTS:
     from transformers import AutoTokenizer
 
     special_ids = write_tiny_text_tokenizer(workdir)
     config = TTSConfig.from_dict(real_size_config(size, model_type, special_ids))
+    torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3TTS(config).to(dtype).eval()
         for p in model.parameters():
@@ -64,7 +72,11 @@ def random_tts(size: str, model_type: str, device: str, dtype: torch.dtype, work
     randomize_speech_tokenizer_(codec, torch.Generator().manual_seed(0))
     codec = codec.to(device=device).eval()  # float32, as TTS.from_pretrained loads it
     generation = dict(GENERATION_CONFIG, max_new_tokens=4096)
-    return TTS(model, AutoTokenizer.from_pretrained(str(workdir)), codec, generation, f"random {size} {model_type}")
+    return TTS(model, AutoTokenizer.from_pretrained(str(workdir)), codec, generation, f"random {size} {model_type}", **options)
+
+
+def request(frames: int, seed: int = 0, **fields) -> SpeechRequest:
+    return SpeechRequest(TEXT_20_WORDS, speaker="ryan", language="english", seed=seed, max_frames=frames, **fields)
 
 
 def cuda_ms(fn, repeat: int = 1) -> float:
@@ -76,202 +88,173 @@ def cuda_ms(fn, repeat: int = 1) -> float:
     return (time.perf_counter() - start) * 1000.0 / repeat
 
 
-def frame_ms(tts: TTS, request, sampling: SamplingConfig, graphs: bool, frames: int = 100) -> float:
-    decoder = tts.frame_decoder(request, sampling, seed=0)
-    previous, decoder.use_cuda_graphs = decoder.use_cuda_graphs, graphs
-    decoder.prefill(request.prompt.prefill)
-    decoder.step()  # capture (graphs) / warm-up (eager), outside the timing
-    runs = []
-    for _ in range(RUNS):
-        decoder.reset(request.prompt.trailing_text, request.prompt.tts_pad, sampling, 0)
-        decoder.prefill(request.prompt.prefill)
-        runs.append(cuda_ms(decoder.step, frames))
-    decoder.use_cuda_graphs = previous
-    return statistics.median(runs)
+@torch.inference_mode()
+def step_ms(tts: TTS, occupied: int, frames: int = 50) -> dict:
+    """The decode step and the vocoder alone, with `occupied` rows running (the rest idle)."""
+    decoder, vocoder = tts.engine.decoder, tts.engine.vocoder
+    job, _ = tts.prepare(request(1))
+    segment = job.segments[0]
+    frames_room = decoder.max_frames(segment.prompt.shape[1])
+    for row in range(occupied):
+        decoder.start(row, segment.prompt, segment.trailing, True, job.sampling, row, frames_room)
+    decoder.step()
+    step = statistics.median(cuda_ms(decoder.step, frames) for _ in range(RUNS))
+    codes = torch.randint(0, 2048, (decoder.rows, 1, 16), device=tts.device)
+    active = torch.arange(decoder.rows, device=tts.device) < occupied
+    vocode = statistics.median(cuda_ms(lambda: vocoder.decode_frames(codes, active), frames) for _ in range(RUNS))
+    for row in range(decoder.rows):
+        decoder.stop(row)
+        vocoder.reset_row(row)
+    return {"step_ms": step, "vocoder_ms": vocode}
 
 
-def kernels_per_frame(tts: TTS, request, sampling: SamplingConfig, graphs: bool) -> int:
+def kernels_per_frame(tts: TTS) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    decoder = tts.frame_decoder(request, sampling, seed=0)
-    previous, decoder.use_cuda_graphs = decoder.use_cuda_graphs, graphs
-    decoder.prefill(request.prompt.prefill)
-    decoder.step()
+    tts.engine.decoder.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decoder.step()
+        tts.engine.decoder.step()
         torch.cuda.synchronize()
-    decoder.use_cuda_graphs = previous
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name)
 
 
-def stream_times(tts: TTS, frames: int, **request) -> dict:
-    ttfa, totals = [], []
-    for _ in range(RUNS):
-        start = time.perf_counter()
-        chunks = list(tts.stream(TEXT_20_WORDS, max_frames=frames, seed=0, **request))
-        totals.append(time.perf_counter() - start)
-        ttfa.append(chunks[0].elapsed_ms)
-        assert sum(c.frames for c in chunks) == frames
-    return {"ttfa_ms": statistics.median(ttfa), "total_s": statistics.median(totals)}
+def run_streams(tts: TTS, streams: int, frames: int, stagger_s: float) -> dict:
+    """`streams` requests through the engine, the i-th submitted at i * stagger_s; each consumed on
+    its own thread, as the app's visitors are. Client-side playback starts at the first chunk."""
+    results: list[dict] = [{} for _ in range(streams)]
+    start = time.perf_counter()
+
+    def listen(i: int) -> None:
+        time.sleep(max(0.0, start + i * stagger_s - time.perf_counter()))
+        submitted = time.perf_counter()
+        arrivals, audio = [], []
+        for chunk in tts.submit(request(frames, seed=i)):
+            arrivals.append(time.perf_counter() - submitted)
+            audio.append(chunk.frames * FRAME_S)
+        results[i] = {"arrivals": arrivals, "audio": audio, "ttfa_ms": arrivals[0] * 1000.0}
+
+    threads = [threading.Thread(target=listen, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    gaps, stutters = [], 0
+    for r in results:
+        buffered = 0.0  # audio received and not yet played, at each arrival
+        played_from = r["arrivals"][0]
+        for k in range(1, len(r["arrivals"])):
+            gap = r["arrivals"][k] - r["arrivals"][k - 1]
+            gaps.append(gap * 1000.0)
+            buffered = sum(r["audio"][:k]) - (r["arrivals"][k] - played_from)
+            stutters += buffered < 0
+    ttfa = sorted(r["ttfa_ms"] for r in results)
+    return {
+        "streams": streams,
+        "stagger_ms": stagger_s * 1000.0,
+        "aggregate_x_real_time": streams * frames * FRAME_S / wall,
+        "ttfa_p50_ms": float(np.percentile(ttfa, 50)),
+        "ttfa_p95_ms": float(np.percentile(ttfa, 95)),
+        "gap_p95_ms": float(np.percentile(gaps, 95)) if gaps else 0.0,
+        "gap_max_ms": max(gaps) if gaps else 0.0,
+        "stutters": int(stutters),
+    }
 
 
-def vocoder_ms(tts: TTS, sizes=(1, 2, 4, 8, 16)) -> dict:
-    """Per chunk size, the engine's vocoder (CUDA graph per size) and the same decoder run eagerly."""
+def codes_of(tts: TTS, req: SpeechRequest) -> torch.Tensor:
+    return tts.synthesize(req).codes
+
+
+def determinism(tts: TTS, frames: int = 120) -> dict:
+    """The same request and seed: twice alone, and among 7 other requests that start at other times."""
+    target = request(frames, seed=1234)
+    alone = [tts.synthesize(target) for _ in range(2)]
+    neighbours = [request(frames + 40 * i, seed=i) for i in range(1, 8)]
+    handles = [tts.submit(neighbours[i]) for i in range(3)]
+    time.sleep(0.2)
+    in_batch = tts.submit(target)
+    handles += [tts.submit(n) for n in neighbours[3:]]
+    audio = np.concatenate([c.audio for c in in_batch])
+    for h in handles:
+        list(h)
+    return {
+        "same_seed_twice_alone_codes_equal": bool(np.array_equal(alone[0].codes, alone[1].codes)),
+        "same_seed_twice_alone_audio_equal": bool(np.array_equal(alone[0].audio, alone[1].audio)),
+        "same_seed_in_batch_of_8_codes_equal": bool(np.array_equal(alone[0].codes, in_batch.codes.numpy())),
+        "same_seed_in_batch_of_8_audio_max_abs": float(np.abs(alone[0].audio - audio).max()),
+        "streamed_vs_offline_max_abs": float(np.abs(alone[0].audio - tts.decode(torch.from_numpy(alone[0].codes).to(tts.device))).max()),
+    }
+
+
+def graph_equals_eager(size: str, workdir: Path, dtype: torch.dtype, frames: int = 60) -> dict:
+    """Codes of the same seeded request through the CUDA-graph engine and the eager one."""
     out = {}
-    for graphs in (True, False):
-        vocoder = tts.vocoder if graphs else tts.speech_tokenizer.stream_decoder()
-        for n in sizes:
-            codes = torch.randint(0, 2048, (n, 16), device=tts.device)
-            vocoder.decode_chunk(codes)
-            out[f"{n}-frame chunk, {'CUDA graph' if graphs else 'eager'}"] = statistics.median(cuda_ms(lambda: vocoder.decode_chunk(codes)) for _ in range(RUNS))
-    tts.vocoder.reset()
+    codes = {}
+    for graphs in (False, True):
+        tts = random_tts(size, "custom_voice", "cuda", dtype, workdir, rows=8, use_cuda_graphs=graphs)
+        codes[graphs] = [codes_of(tts, request(frames, seed=7, greedy=greedy)) for greedy in (True, False)]
+        del tts
+    for i, name in enumerate(("greedy", "sampled")):
+        out[f"{name}, {str(dtype).removeprefix('torch.')}"] = bool(np.array_equal(codes[False][i], codes[True][i]))
     return out
 
 
-@torch.inference_mode()
-def ttfa_breakdown(tts: TTS, **request) -> dict:
-    """Where the time to first audio goes, stage by stage (each synchronised), first chunk of one frame."""
-    stages, start = {}, time.perf_counter()
-
-    def mark(name: str) -> None:
-        nonlocal start
-        torch.cuda.synchronize()
-        stages[name] = (time.perf_counter() - start) * 1000.0
-        start = time.perf_counter()
-
-    prepared = tts.prepare(TEXT_20_WORDS, **request)
-    mark("prepare (tokenize, prompt embeddings)")
-    decoder = tts.frame_decoder(prepared, tts.sampling(), seed=0)
-    decoder.prefill(prepared.prompt.prefill)
-    mark("prefill")
-    codes, _ = decoder.step()
-    mark("first frame")
-    tts.vocoder.reset()
-    audio = tts.vocoder.decode_chunk(codes[None])
-    mark("vocoder, 1 frame")
-    audio.cpu()
-    mark("copy to host")
-    tts.vocoder.reset()
-    return stages
-
-
-def stream_equals_offline(tts: TTS, frames: int = 120) -> float:
-    codes = torch.randint(0, 2048, (frames, 16), device=tts.device)
-    offline = tts.speech_tokenizer.decode(codes)
-    stream = tts.speech_tokenizer.stream_decoder()
-    pieces, start = [], 0
-    for n in (1, 2, 4, 8, 16, 16, 16, 16, 16, 16, 9):
-        pieces.append(stream.decode_chunk(codes[start : start + n]))
-        start += n
-    return float((torch.cat(pieces) - offline).abs().max())
-
-
-def graph_equals_eager(size: str, device: str, workdir: Path, frames: int = 40) -> dict:
-    """fp32: the CUDA graph (plain and compiled) must give the same codes as eager execution."""
-    tts = random_tts(size, "custom_voice", device, torch.float32, workdir)
-    request = tts.prepare(TEXT_20_WORDS, speaker="ryan", language="english")
+def bench_size(size: str, workdir: Path, rows: int, streams: list[int], frames: int) -> dict:
     result = {}
-    for name, sampling in (("greedy", tts.sampling(greedy=True)), ("sampled", tts.sampling())):
-        codes = {}
-        for variant, graphs, compiled in (("eager", False, False), ("graph", True, False), ("compiled graph", True, True)):
-            tts.use_cuda_graphs, tts.compiled, tts.decoder = graphs, compiled, None
-            codes[variant] = torch.stack(list(tts.generate_codes(request, sampling, max_frames=frames, seed=7)))
-        for variant in ("graph", "compiled graph"):
-            result[f"{variant}, {name}"] = bool(torch.equal(codes["eager"], codes[variant]))
-    return result
-
-
-def bench_size(size: str, device: str, workdir: Path, frames_20s: int = 250) -> dict:
-    sampling = SamplingConfig()
-    custom = random_tts(size, "custom_voice", device, torch.bfloat16, workdir)
-    request = custom.prepare(TEXT_20_WORDS, speaker="ryan", language="english")
-    result = {
-        "prompt_positions": request.prompt.prefill.shape[1],
-        "frame_ms_eager": frame_ms(custom, request, sampling, graphs=False, frames=20),
-        "frame_ms_graph": frame_ms(custom, request, sampling, graphs=True),
-        "kernels_per_frame_eager": kernels_per_frame(custom, request, sampling, graphs=False),
-        "kernels_per_frame_graph": kernels_per_frame(custom, request, sampling, graphs=True),
-    }
-    custom.decoder, custom.compiled = None, True
-    start = time.perf_counter()
-    custom.warm_up()
-    result["warm_up_s_compiled"] = time.perf_counter() - start
-    result["frame_ms_graph_compiled"] = frame_ms(custom, request, sampling, graphs=True)
-    result["kernels_per_frame_graph_compiled"] = kernels_per_frame(custom, request, sampling, graphs=True)
-    custom_voice = stream_times(custom, frames_20s, speaker="ryan", language="english")
-    result["ttfa_ms_custom_voice"] = custom_voice["ttfa_ms"]
-    result["ttfa_breakdown_ms_custom_voice"] = ttfa_breakdown(custom, speaker="ryan", language="english")
-    result["rtf_20s"] = custom_voice["total_s"] / (frames_20s * 0.08)
-    result["vocoder_ms_per_chunk"] = vocoder_ms(custom)
-    result["stream_vs_offline_max_abs"] = stream_equals_offline(custom)
-    del custom
+    single = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, compiled=True)
+    single.warm_up()
+    result["rows_1"] = step_ms(single, 1)
+    del single
     torch.cuda.empty_cache()
-
-    base = random_tts(size, "base", device, torch.bfloat16, workdir)
-    base.compiled = True
-    from pipeline.audio import SAMPLE_RATE
-
-    rng = np.random.default_rng(0)
-    reference = (0.1 * rng.standard_normal(5 * SAMPLE_RATE)).astype(np.float32)
+    tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=rows, compiled=True, max_queue=256)
     start = time.perf_counter()
-    voice = base.create_voice_prompt((reference, SAMPLE_RATE), "A five second reference recording of a voice.")
-    torch.cuda.synchronize()
-    result["voice_prompt_ms"] = (time.perf_counter() - start) * 1000.0
-    assert isinstance(voice, VoicePrompt) and voice.ref_codes.shape[0] == 63
-    base.warm_up()
-    result["ttfa_ms_icl_clone_5s_ref"] = stream_times(base, 20, voice_prompt=voice, language="english")["ttfa_ms"]
+    tts.warm_up()
+    result["warm_up_s"] = time.perf_counter() - start
+    result["kernels_per_frame"] = kernels_per_frame(tts)
+    result[f"rows_{rows}"] = {n: step_ms(tts, n) for n in sorted({1, 8, rows})}
+    result["determinism"] = determinism(tts)
+    result["together"] = [run_streams(tts, n, frames, 0.0) for n in streams if n <= 2 * rows]
+    result["staggered"] = [run_streams(tts, n, frames, 0.25) for n in streams if n <= 2 * rows]
     return result
 
 
 def markdown(report: dict) -> str:
-    rows = [
-        ("ms per frame, eager", "frame_ms_eager", "{:.2f}"),
-        ("ms per frame, CUDA graph", "frame_ms_graph", "{:.2f}"),
-        ("ms per frame, compiled + CUDA graph", "frame_ms_graph_compiled", "{:.2f}"),
-        ("kernels per frame, eager", "kernels_per_frame_eager", "{}"),
-        ("kernels per frame, CUDA graph", "kernels_per_frame_graph", "{}"),
-        ("kernels per frame, compiled + CUDA graph", "kernels_per_frame_graph_compiled", "{}"),
-        ("warm-up incl. compile (s, once per process)", "warm_up_s_compiled", "{:.1f}"),
-        ("TTFA custom voice (ms)", "ttfa_ms_custom_voice", "{:.1f}"),
-        ("TTFA ICL clone, 5 s reference (ms)", "ttfa_ms_icl_clone_5s_ref", "{:.1f}"),
-        ("voice prompt from 5 s reference (ms, once per voice)", "voice_prompt_ms", "{:.1f}"),
-        ("RTF, 20 s utterance (wall / audio)", "rtf_20s", "{:.3f}"),
-        ("streamed vs offline vocoder, max abs (codec in float32)", "stream_vs_offline_max_abs", "{:.2e}"),
-    ]
-    sizes = list(report["sizes"])
-    lines = [f"| | {' | '.join(sizes)} |", "|---|" + "---|" * len(sizes)]
-    for label, key, fmt in rows:
-        lines.append(f"| {label} | " + " | ".join(fmt.format(report["sizes"][s][key]) for s in sizes) + " |")
-    for stage in report["sizes"][sizes[0]]["ttfa_breakdown_ms_custom_voice"]:
-        lines.append(f"| TTFA stage: {stage} (ms) | " + " | ".join(f"{report['sizes'][s]['ttfa_breakdown_ms_custom_voice'][stage]:.2f}" for s in sizes) + " |")
-    for n in report["sizes"][sizes[0]]["vocoder_ms_per_chunk"]:
-        lines.append(f"| vocoder ms, {n} | " + " | ".join(f"{report['sizes'][s]['vocoder_ms_per_chunk'][n]:.2f}" for s in sizes) + " |")
-    checks = ", ".join(f"{k}: {'identical' if v else 'DIFFERENT'}" for k, v in report["graph_equals_eager_fp32"].items())
-    return "\n".join(
-        [
-            f"### {report['gpu']} — {report['date']}",
-            "",
-            f"torch {report['torch']}, talker bf16, codec float32, batch 1, random weights at real size, median of {RUNS}. Command: `{report['command']}`",
-            "",
-            *lines,
-            "",
-            f"Codes vs eager execution (fp32, 0.6B, 40 frames): {checks}. TTFA, RTF and vocoder rows use the compiled engine.",
-            "",
-        ]
-    )
+    lines = [f"### {report['gpu']} — {report['date']}", "",
+             f"torch {report['torch']}, talker bf16 (compiled + CUDA graph), codec float32, random weights at real size, "
+             f"engine of {report['rows']} rows, {report['frames']}-frame utterances. Command: `{report['command']}`", ""]
+    for size, r in report["sizes"].items():
+        lines += [f"#### {size}", "", "| rows running | decode step ms | vocoder ms (1 frame, all rows) |", "|---|---|---|"]
+        lines.append(f"| 1 (engine of 1 row) | {r['rows_1']['step_ms']:.2f} | {r['rows_1']['vocoder_ms']:.2f} |")
+        for n, t in r[f"rows_{report['rows']}"].items():
+            lines.append(f"| {n} (engine of {report['rows']} rows) | {t['step_ms']:.2f} | {t['vocoder_ms']:.2f} |")
+        lines += ["", f"Kernels per decode step: {r['kernels_per_frame']}. Warm-up incl. compile: {r['warm_up_s']:.0f} s.", "",
+                  "| streams | arrival | aggregate x real time | TTFA p50 ms | TTFA p95 ms | gap p95 ms | gap max ms | stutters |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for kind in ("together", "staggered"):
+            for s in r[kind]:
+                arrival = "together" if kind == "together" else f"every {s['stagger_ms']:.0f} ms"
+                lines.append(f"| {s['streams']} | {arrival} | {s['aggregate_x_real_time']:.1f} | {s['ttfa_p50_ms']:.0f} | "
+                             f"{s['ttfa_p95_ms']:.0f} | {s['gap_p95_ms']:.0f} | {s['gap_max_ms']:.0f} | {s['stutters']} |")
+        d = r["determinism"]
+        lines += ["", "Determinism (bf16, compiled graph): " + ", ".join(f"{k}: {v}" for k, v in d.items()), ""]
+    if report["graph_equals_eager"]:
+        lines += ["Graph vs eager codes (0.6B, 60 frames, seed 7): " + ", ".join(f"{k}: {'identical' if v else 'DIFFERENT'}" for k, v in report["graph_equals_eager"].items()), ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.bench")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--rows", type=int, default=16, help="rows of the engine (its batch)")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--frames", type=int, default=250, help="frames per utterance (250 = 20 s)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--no-checks", dest="checks", action="store_false", help="skip the graph-vs-eager code comparison")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    torch.backends.cuda.matmul.allow_tf32 = False
-    device = "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         report = {
@@ -279,15 +262,19 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "date": datetime.date.today().isoformat(),
             "command": "python -m pipeline.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "graph_equals_eager_fp32": graph_equals_eager("0.6B", device, workdir),
+            "rows": args.rows,
+            "frames": args.frames,
+            "graph_equals_eager": {**graph_equals_eager("0.6B", workdir, torch.float32), **graph_equals_eager("0.6B", workdir, torch.bfloat16)}
+            if args.checks else {},
             "sizes": {},
         }
-        print("codes vs eager:", report["graph_equals_eager_fp32"], flush=True)
+        print("graph vs eager:", report["graph_equals_eager"], flush=True)
         for size in args.sizes:
-            report["sizes"][size] = bench_size(size, device, workdir)
+            report["sizes"][size] = bench_size(size, workdir, args.rows, args.streams, args.frames)
             print(size, json.dumps(report["sizes"][size]), flush=True)
+            torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{report['date']}-{report['gpu'].replace(' ', '_')}"
+    stem = f"{report['date']}-{report['gpu'].replace(' ', '_')}-{'-'.join(args.sizes)}"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (args.out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))

@@ -4,3 +4,7 @@ class TTSInputError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be found or loaded; the message names the missing piece."""
+
+
+class EngineBusy(RuntimeError):
+    """The engine's queue is full; the message says how many requests are ahead."""

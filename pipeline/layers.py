@@ -1,9 +1,11 @@
-"""Building blocks whose numerics must match the reference in every model: float32 RMSNorm
-variance and RoPE tables computed in float32 (shared/reference: vllm-omni PR 2277)."""
+"""Building blocks shared by the talker and the codec: float32 RMSNorm variance and RoPE tables
+computed in float32, as the reference (shared/reference: vllm-omni PR 2277), and a batch-invariant,
+deterministic attention."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 
 class RMSNorm(nn.Module):
@@ -32,3 +34,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+# SDPA backends whose forward pass is deterministic. cuDNN's is not, and torch 2.11 picks it by
+# default on an H200 for masked grouped-query attention: the old decode step parted run to run.
+DETERMINISTIC_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [N, M, D] @ k [N, S, D]^T in float32: half-precision inputs keep their float32 accumulation
+    (as SDPA's kernels do) rather than being rounded to bf16 before the softmax."""
+    if q.dtype == torch.float32 or q.device.type != "cuda":
+        return torch.bmm(q, k.transpose(1, 2)).float()
+    return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, L, D] over keys and values [B, H_kv, S, D]; mask [B, L, S] additive float32 -> [B, H, L, D].
+
+    Written out rather than SDPA: each row's result depends on its own inputs only, whatever the
+    other rows hold (batch invariance; SDPA's CPU kernel does not give that, and on an H200 its
+    default pick for masked grouped-query attention is cuDNN's, which is not deterministic), and
+    with grouped KV heads SDPA's masked kernels copy the whole cache to repeat it per query head."""
+    b, heads, length, dim = q.shape
+    kv_heads, seq = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    q = q.reshape(b * kv_heads, group * length, dim)  # query heads of one KV head share its keys
+    scores = _scores(q, k.reshape(b * kv_heads, seq, dim)).view(b, kv_heads, group * length, seq)
+    scores = scores * scale + mask.repeat(1, group, 1)[:, None]
+    probs = scores.softmax(-1).to(v.dtype).view(b * kv_heads, group * length, seq)
+    return torch.bmm(probs, v.reshape(b * kv_heads, seq, dim)).view(b, heads, length, dim)
+
+
+class LayerScale(nn.Module):
+    """A learned per-channel gain on a residual branch (the codec's transformers)."""
+
+    def __init__(self, dim: int, initial: float):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), initial))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x

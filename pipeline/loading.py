@@ -1,15 +1,23 @@
-"""Find a checkpoint (local directory in the official layout, or a Hugging Face Hub id) and load it unchanged."""
+"""Find a checkpoint (local directory in the official layout, or a Hugging Face Hub id) and load it unchanged.
+
+Every damaged or inconsistent file raises CheckpointError naming it, so the CLI can say which file to replace.
+"""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.model import MODEL_TYPES, Qwen3TTS, TTSConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 REQUIRED_FILES = (
     "config.json",
@@ -24,6 +32,7 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.txt", "*.safetensors", "speech_tokenizer/*"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 def resolve_checkpoint(source: str) -> Path:
@@ -54,11 +63,51 @@ def _download(repo_id: str) -> Path:
         ) from None
 
 
-def read_json(directory: Path, name: str) -> dict[str, Any]:
+def _read_text(path: Path) -> str:
     try:
-        return json.loads((directory / name).read_text(encoding="utf-8"))
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"Checkpoint directory {path.parent} is missing {path.name}.") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not UTF-8 text: the file is damaged.") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror}).") from None
+
+
+def read_json(directory: Path, name: str) -> dict[str, Any]:
+    """The JSON object in `directory/name`; a missing, unreadable or malformed file is a CheckpointError naming it."""
+    path = directory / name
+    try:
+        data = json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{directory / name} is not valid JSON ({exc}).") from None
+        raise CheckpointError(f"{path} is not valid JSON ({exc}).") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object ({{\"key\": value, ...}}).")
+    return data
+
+
+def load_text_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's BPE text tokenizer (vocab.json, merges.txt, tokenizer_config.json), each file checked."""
+    # Imported here: transformers takes seconds to import and only this function needs it.
+    from transformers import AutoTokenizer
+
+    _check_vocab(directory)
+    read_json(directory, "tokenizer_config.json")
+    # The tokenizers library reports a non-UTF-8 merges.txt without naming the file.
+    _read_text(directory / "merges.txt")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # the tokenizers library raises bare Exception when it cannot build the BPE
+        reason = " ".join(str(exc).split()).rstrip(".")
+        raise CheckpointError(
+            f"The text tokenizer in {directory} cannot be built from its vocab.json, merges.txt and tokenizer_config.json: {reason}."
+        ) from None
+
+
+def _check_vocab(directory: Path) -> None:
+    vocab = read_json(directory, "vocab.json")
+    if not vocab or not all(isinstance(token_id, int) for token_id in vocab.values()):
+        raise CheckpointError(f"{directory / 'vocab.json'} should map every token to its integer id.")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -68,22 +117,69 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def torch_device(name: str) -> torch.device:
+    """cpu, cuda or cuda:N, checked against this machine's GPUs before anything loads."""
+    if DEVICE_NAME.fullmatch(name) is None:
+        raise TTSInputError(f"Unsupported device '{name}': use cpu, cuda or cuda:N (N the index of a CUDA GPU, from 0).")
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TTSInputError("CUDA was requested but no CUDA GPU is available here: use --device cpu.")
+    if device.type == "cuda":
+        _check_cuda_gpu(device.index)
     return device
+
+
+def _check_cuda_gpu(index: int | None) -> None:
+    if not torch.cuda.is_available():
+        raise TTSInputError("CUDA was requested but no CUDA GPU is available here: use --device cpu.")
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        present = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise TTSInputError(f"There is no CUDA GPU cuda:{index} on this machine: it has {count} ({present}).")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path} is damaged or is not a safetensors file ({exc}).") from None
+
+
+def _shard_names(directory: Path) -> list[str]:
+    """The shard files the index's weight_map names, each present."""
+    weight_map = read_json(directory, WEIGHTS_INDEX).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise CheckpointError(f"{directory / WEIGHTS_INDEX} has no weight_map naming the shard file of each tensor.")
+    shards = sorted(set(weight_map.values()))
+    missing = [shard for shard in shards if not (directory / shard).is_file()]
+    if missing:
+        raise CheckpointError(f"Checkpoint directory {directory} is missing {', '.join(missing)}.")
+    return shards
 
 
 def load_weights(directory: Path) -> dict[str, torch.Tensor]:
     if (directory / WEIGHTS).is_file():
-        return load_file(directory / WEIGHTS)
-    index = read_json(directory, WEIGHTS_INDEX)
+        return _load_safetensors(directory / WEIGHTS)
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        if not (directory / shard).is_file():
-            raise CheckpointError(f"Checkpoint directory {directory} is missing {shard}.")
-        state.update(load_file(directory / shard))
+    for shard in _shard_names(directory):
+        state.update(_load_safetensors(directory / shard))
     return state
+
+
+def _weights_file(directory: Path) -> Path:
+    """The file to name when the weights do not fit: the single weights file, or the index of the shards."""
+    return directory / WEIGHTS if (directory / WEIGHTS).is_file() else directory / WEIGHTS_INDEX
+
+
+def _check_shapes(model: Qwen3TTS, state: dict[str, torch.Tensor], directory: Path) -> None:
+    # load_state_dict raises a bare RuntimeError listing every mismatch; checked first to name the file in one line.
+    expected = model.state_dict()
+    wrong = [
+        f"{key} {tuple(tensor.shape)} (expected {tuple(expected[key].shape)})"
+        for key, tensor in state.items()
+        if key in expected and tensor.shape != expected[key].shape
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"{_weights_file(directory)} has tensors shaped for another model than {directory / 'config.json'} describes: {', '.join(wrong[:3])}."
+        )
 
 
 def load_model(directory: Path, device: torch.device, dtype: torch.dtype) -> Qwen3TTS:
@@ -96,10 +192,12 @@ def load_model(directory: Path, device: torch.device, dtype: torch.dtype) -> Qwe
     config = TTSConfig.from_dict(raw)
     with torch.device("meta"):
         model = Qwen3TTS(config)
-    result = model.load_state_dict(load_weights(directory), strict=False, assign=True)
+    state = load_weights(directory)
+    _check_shapes(model, state, directory)
+    result = model.load_state_dict(state, strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:
         raise CheckpointError(
-            f"{directory / WEIGHTS} does not fit a '{config.tts_model_type}' checkpoint of this config: "
+            f"{_weights_file(directory)} does not fit a '{config.tts_model_type}' checkpoint of this config: "
             f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}."
         )
     return model.to(device=device, dtype=dtype).eval()

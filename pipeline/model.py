@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
-from pipeline.layers import RMSNorm, apply_rope, rope_tables
+from pipeline.layers import DETERMINISTIC_ATTENTION, RMSNorm, apply_rope, attention, rope_tables
 from pipeline.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
 
 
@@ -116,18 +117,20 @@ class TTSConfig:
 
 
 class KVCache(nn.Module):
-    def __init__(self, batch: int, kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    """Keys and values of `rows` independent sequences; each row is one utterance of the batch."""
+
+    def __init__(self, rows: int, kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        shape = (batch, kv_heads, max_seq, head_dim)
+        shape = (rows, kv_heads, max_seq, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # input_pos: [L]; k, v: [B, H_kv, L, D]
-        # Index assignment, as gpt-fast: torch.compile turns it into an in-place scatter.
-        self.k[:, :, input_pos] = k
-        self.v[:, :, input_pos] = v
-        return self.k, self.v
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """rows [B], positions [B, L]; k, v [B, H_kv, L, D]. Index assignment: graph-safe, and
+        torch.compile turns it into one in-place scatter (as gpt-fast)."""
+        index = (rows[:, None], slice(None), positions)
+        self.k[index] = k.transpose(1, 2)
+        self.v[index] = v.transpose(1, 2)
 
 
 def fuse_projections(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
@@ -164,16 +167,33 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, length, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = self.q_norm(q.view(b, length, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(b, length, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = v.view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, length, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Every cache row: x [B, L, hidden] at `positions` [B, L]; attends over the whole cache."""
+        q, k, v = self._qkv(x, cos, sin)
+        self.kv_cache.write(rows, positions, k, v)
+        return self._out(attention(q, self.kv_cache.k, self.kv_cache.v, mask, self.head_dim**-0.5))
+
+    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One sequence from position 0: x [1, L, hidden] stored in cache row `row` [1]; causal over itself."""
+        q, k, v = self._qkv(x, cos, sin)
+        self.kv_cache.write(row, positions[None], k, v)
+        # Never cuDNN's attention: on an H200 (torch 2.11) it is the default pick and it is not
+        # deterministic; the same prompt must give the same cache every time.
+        with sdpa_kernel(DETERMINISTIC_ATTENTION):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        return self._out(out)
 
 
 class MLP(nn.Module):
@@ -197,13 +217,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
+    def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
+        x = x + attend(self.self_attn, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
-    """A Qwen3 decoder stack over a static KV cache; `input_pos` is a device tensor, never a Python int."""
+    """A Qwen3 decoder stack over a static KV cache of `rows` sequences; positions are device tensors."""
 
     def __init__(self, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, eps: float, rope_theta: float):
         super().__init__()
@@ -212,25 +232,35 @@ class Transformer(nn.Module):
         self.kv_heads, self.head_dim, self.rope_theta = kv_heads, head_dim, rope_theta
         self.max_seq = 0
 
-    def setup_caches(self, batch: int, max_seq: int) -> None:
+    def setup_caches(self, rows: int, max_seq: int) -> None:
         weight = self.norm.weight
         self.max_seq = max_seq
         for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(batch, self.kv_heads, max_seq, self.head_dim, weight.dtype, weight.device)
+            layer.self_attn.kv_cache = KVCache(rows, self.kv_heads, max_seq, self.head_dim, weight.dtype, weight.device)
         cos, sin = rope_tables(self.head_dim, self.rope_theta, max_seq, weight.device)
         self.register_buffer("rope_cos", cos.to(weight.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(weight.dtype), persistent=False)
         self.register_buffer("key_pos", torch.arange(max_seq, device=weight.device), persistent=False)
+        self.register_buffer("all_rows", torch.arange(rows, device=weight.device), persistent=False)
 
-    def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        # x: [B, L, hidden]; input_pos: [L]
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-        # Additive mask in the activation dtype, built once for all layers (a boolean one is converted
-        # in every layer); it also hides cache slots not yet written.
-        mask = torch.where(self.key_pos[None, :] <= input_pos[:, None], 0.0, float("-inf")).to(x.dtype)
+    def _run(self, x: torch.Tensor, attend) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, input_pos)
+            x = layer(x, attend)
         return self.norm(x)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [rows, L, hidden] for every cache row, at `positions` [rows, L] (each row its own)."""
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        # One additive float32 mask for all layers; it also hides cache slots not yet written.
+        mask = torch.where(self.key_pos <= positions[..., None], 0.0, float("-inf"))
+        rows = self.all_rows
+        return self._run(x, lambda attn, h: attn.decode(h, cos, sin, mask, rows, positions))
+
+    def prefill(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """x [1, L, hidden]: one sequence from position 0, written into cache row `row` [1]."""
+        positions = self.key_pos[: x.shape[1]]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        return self._run(x, lambda attn, h: attn.prefill(h, cos, sin, row, positions))
 
 
 class ResizeMLP(nn.Module):
@@ -263,13 +293,9 @@ class CodePredictor(nn.Module):
         else:
             self.small_to_mtp_projection = nn.Identity()
 
-    def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor, head: int, stack: nn.Module | None = None) -> torch.Tensor:
-        """embeds: [B, L, talker_hidden] -> logits of codebook `head + 1` at the last position [B, vocab].
-
-        `stack` replaces `self.model` with the same transformer compiled (the decode step passes it).
-        """
-        hidden = (self.model if stack is None else stack)(self.small_to_mtp_projection(embeds), input_pos)
-        return self.lm_head[head](hidden[:, -1])
+    def logits(self, hidden: torch.Tensor, head: int) -> torch.Tensor:
+        """Transformer output at the last position [B, hidden] -> logits of codebook `head + 1` [B, vocab]."""
+        return self.lm_head[head](hidden)
 
 
 class TalkerModel(Transformer):
@@ -298,14 +324,6 @@ class Talker(nn.Module):
         tables = [self.model.codec_embedding, *self.code_predictor.model.codec_embedding]
         # One stacked sum, not 15 running adds: the same float rounding as the reference.
         return torch.stack([table(codes[..., i]) for i, table in enumerate(tables)], dim=-2).sum(-2)
-
-    def forward(self, embeds: torch.Tensor, input_pos: torch.Tensor, stack: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds [B, L, hidden] -> (last hidden state after the final norm [B, hidden], codec logits [B, vocab]).
-
-        `stack` replaces `self.model` with the same transformer compiled (the decode step passes it).
-        """
-        hidden = (self.model if stack is None else stack)(embeds, input_pos)[:, -1]
-        return hidden, self.codec_head(hidden)
 
 
 class Qwen3TTS(nn.Module):

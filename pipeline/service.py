@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pipeline.errors import CheckpointError, TTSInputError
+from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Handle, Queued, SamplingConfig
+from pipeline.errors import CheckpointError, EngineBusy, TTSInputError
 from pipeline.model import MODEL_TYPES
-from pipeline.stream import Chunk, StreamRun, parse_schedule
+from pipeline.request import SpeechRequest
 from pipeline.tts import TTS, VoicePrompt
 
 log = logging.getLogger(__name__)
@@ -101,25 +102,11 @@ class StreamStart:
 
 
 @dataclass
-class SpeechRequest:
-    """One generation as the app's forms describe it; None means the checkpoint's default."""
+class StreamEnd:
+    """The last item of `ModelService.stream`: whether Stop ended it, and what the user should know."""
 
-    model_type: str
-    text: str
-    checkpoint: str | None = None
-    language: str = "auto"
-    speaker: str | None = None
-    instruct: str | None = None
-    ref_audio: str | None = None  # a file path (what the app's audio input gives)
-    ref_text: str | None = None
-    x_vector_only: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    schedule: str = "1, 2, 4, 8, 16"
-    max_frames: int | None = None
+    stopped: bool
+    warnings: list[str] = field(default_factory=list)
 
 
 class ModelService:
@@ -133,11 +120,12 @@ class ModelService:
         tiny: bool = False,
         tiny_dir: str | Path | None = None,
         compiled: bool = False,
+        rows: int | None = None,
     ):
         merged = dict(HUB_CHECKPOINTS)
         merged.update(choices or {})
         self.choices = {kind: (TINY,) for kind in MODEL_TYPES} if tiny else merged
-        self.device, self.dtype, self.compiled = device, dtype, compiled
+        self.device, self.dtype, self.compiled, self.rows = device, dtype, compiled, rows
         self._tiny_root = Path(tiny_dir) if tiny_dir else Path(tempfile.mkdtemp(prefix="qwen3-tts-tiny-"))
         self._models: dict[tuple[str, str], TTS] = {}  # (model type, checkpoint) -> model
         self._load_locks: dict[tuple[str, str], threading.Lock] = {}
@@ -145,7 +133,7 @@ class ModelService:
         self._tiny_lock = threading.Lock()  # one writer of the tiny checkpoints at a time
         self.fallbacks: dict[str, Fallback] = {}
         self._voice_prompts: OrderedDict[tuple, VoicePrompt] = OrderedDict()
-        self._streams: dict[str, StreamRun] = {}
+        self._streams: dict[str, Handle] = {}
         # On ZeroGPU Spaces each stream runs in the GPU worker that `spaces.GPU` hands it to.
         self.stream = gpu(self.stream)
 
@@ -205,7 +193,7 @@ class ModelService:
             return self._tiny(model_type)
         log.info("loading %s checkpoint %s on %s (%s)", model_type, source, self.device, self.dtype)
         try:
-            tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype, compiled=self.compiled)
+            tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype, compiled=self.compiled, rows=self.rows)
         except CheckpointError as exc:
             self._fall_back(model_type, source, str(exc))
             return self._tiny(model_type)
@@ -232,7 +220,7 @@ class ModelService:
                     partial = Path(tempfile.mkdtemp(prefix=f"{model_type}-", dir=self._tiny_root))
                     write_tiny_checkpoint(partial, model_type, seed=0)
                     partial.rename(directory)
-                self._models[key] = TTS.from_pretrained(str(directory), device=self.device, dtype=self.dtype)
+                self._models[key] = TTS.from_pretrained(str(directory), device=self.device, dtype=self.dtype, rows=self.rows)
             return self._models[key]
 
     # ---- voice prompts -----------------------------------------------------------------------
@@ -266,70 +254,55 @@ class ModelService:
 
     # ---- streaming ---------------------------------------------------------------------------
 
-    def stream(self, request: SpeechRequest, key: str = "") -> Iterator[StreamStart | Chunk]:
-        """Validate `request` (TTSInputError before anything is generated), then yield a `StreamStart`
-        and the audio `Chunk`s. `stop(key)` ends it within one frame; so does closing the generator."""
-        try:
-            schedule = parse_schedule(request.schedule)
-        except ValueError as exc:
-            raise TTSInputError(str(exc)) from None
+    def stream(self, request: SpeechRequest, key: str = "") -> Iterator[StreamStart | Queued | Chunk | StreamEnd]:
+        """Validate `request` (TTSInputError before anything is generated), then yield a `StreamStart`,
+        `Queued` records while it waits for a row, the audio `Chunk`s, and a `StreamEnd`.
+        `stop(key)` ends it within one frame; so does closing the generator."""
+        request.validate()
+        if request.model_type not in MODEL_TYPES:
+            raise TTSInputError(f"Unknown model type {request.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
         source = request.checkpoint or self.default_checkpoint(request.model_type)
         tts = self.model(request.model_type, source)
         voice = None
         if request.model_type == "base":
             voice = self.voice_prompt(tts, request.ref_audio, request.ref_text, request.x_vector_only)
-        sampling = tts.sampling(
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            repetition_penalty=request.repetition_penalty,
-        )
-        run = tts.stream(
-            request.text,
-            language=request.language,
-            speaker=request.speaker,
-            instruct=request.instruct,
-            voice_prompt=voice,
-            sampling=sampling,
-            max_frames=request.max_frames,
-            seed=request.seed,
-            schedule=schedule,
-        )
-        self._register(key, run)
         try:
-            warnings = list(dict.fromkeys(w for r in run.requests for w in r.warnings))
-            yield StreamStart(source, self.random_weights(request.model_type, source), warnings)
-            chunks = iter(run)
-            # The run's stop flag is checked before each wait for a chunk, so a stop from another
-            # thread never leaves this loop waiting on a stream that will not produce again.
-            while not run.stop.is_set():
-                chunk = next(chunks, None)
-                if chunk is None:
-                    return
-                yield chunk
+            handle = tts.submit(request, voice)
+        except EngineBusy as exc:
+            raise TTSInputError(str(exc)) from None
+        self._register(key, handle)
+        try:
+            yield StreamStart(source, self.random_weights(request.model_type, source), list(handle.warnings))
+            yield from handle.events()
+            yield StreamEnd(handle.stopped, list(dict.fromkeys(handle.warnings)))
         finally:
-            run.close()
-            self._unregister(key, run)
+            handle.close()
+            self._unregister(key, handle)
+
+    @staticmethod
+    def sampling_defaults() -> SamplingConfig:
+        """The sampling settings the official checkpoints ship (the Advanced sliders' starting values)."""
+        return SamplingConfig()
 
     def stop(self, key: str = "") -> bool:
         """Stop the stream running under `key`, if any, within one frame; True if there was one."""
         with self._lock:
-            run = self._streams.get(key)
-        if run is None:
+            handle = self._streams.get(key)
+        if handle is None:
             return False
-        run.stop.set()
+        handle.close()
         return True
 
-    def _register(self, key: str, run: StreamRun) -> None:
+    def _register(self, key: str, handle: Handle) -> None:
         with self._lock:
             previous = self._streams.get(key)
-            self._streams[key] = run
+            self._streams[key] = handle
         if previous is not None:  # one stream per key: a new run replaces the old one
-            previous.stop.set()
+            previous.close()
 
-    def _unregister(self, key: str, run: StreamRun) -> None:
+    def _unregister(self, key: str, handle: Handle) -> None:
         with self._lock:
-            if self._streams.get(key) is run:
+            if self._streams.get(key) is handle:
                 del self._streams[key]
 
 

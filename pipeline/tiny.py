@@ -6,6 +6,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.codec import SpeechTokenizer, SpeechTokenizerConfig
+from pipeline.codec.decoder import DecoderCodebook, ResidualUnit
+from pipeline.codec.encoder import MimiCodebook
+from pipeline.codec.streaming import derive_all_
+
 NORM_WEIGHT_KEYS = ("norm", "layer_scale", "scale")
 
 
@@ -149,7 +154,6 @@ def write_tiny_checkpoint(directory: Path, model_type: str, seed: int = 0) -> Pa
     from safetensors.torch import save_file
 
     from pipeline.model import Qwen3TTS, TTSConfig
-    from pipeline.speech_tokenizer import write_tiny_speech_tokenizer
 
     if model_type not in TINY_SIZES:
         raise ValueError(f"Unknown model type '{model_type}': use one of {', '.join(TINY_SIZES)}.")
@@ -164,3 +168,124 @@ def write_tiny_checkpoint(directory: Path, model_type: str, seed: int = 0) -> Pa
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, directory / "model.safetensors")
     write_tiny_speech_tokenizer(directory, seed)
     return directory
+
+
+# ----------------------------------------------------------------------------------------------
+# Speech tokenizer (codec)
+
+# Small everywhere except what the rest of the engine depends on: 16 x 2048 codes, 12.5 Hz,
+# 1920 samples per frame, 24 kHz, a 72-frame window. Head dims differ from hidden/heads and the
+# decoder uses grouped KV heads, as a check that neither is assumed. The encoder's
+# sliding_window (16 steps = 0.64 s) is far shorter than the test audio, so a Mimi that honours
+# it gives different codes than the full causal attention the checkpoints expect.
+TINY_SPEECH_TOKENIZER_CONFIG = {
+    "architectures": ["Qwen3TTSTokenizerV2Model"],
+    "model_type": "qwen3_tts_tokenizer_12hz",
+    "encoder_valid_num_quantizers": 16,
+    "input_sample_rate": 24000,
+    "output_sample_rate": 24000,
+    "decode_upsample_rate": 1920,
+    "encode_downsample_rate": 1920,
+    "encoder_config": {
+        "sampling_rate": 24000, "audio_channels": 1, "hidden_size": 32, "num_filters": 4,
+        "num_residual_layers": 1, "upsampling_ratios": [8, 6, 5, 4], "kernel_size": 7, "last_kernel_size": 3,
+        "residual_kernel_size": 3, "dilation_growth_rate": 2, "compress": 2, "pad_mode": "constant",
+        "use_causal_conv": True, "use_conv_shortcut": False, "trim_right_ratio": 1.0,
+        "codebook_size": 2048, "codebook_dim": 16, "vector_quantization_hidden_dimension": 16,
+        "num_quantizers": 32, "num_semantic_quantizers": 1, "upsample_groups": 32, "frame_rate": 12.5,
+        "num_hidden_layers": 2, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "head_dim": 16, "hidden_act": "gelu", "max_position_embeddings": 8000, "norm_eps": 1e-5,
+        "rope_theta": 10000.0, "sliding_window": 16, "layer_scale_initial_scale": 0.01, "use_cache": False,
+    },
+    "decoder_config": {
+        "codebook_size": 2048, "codebook_dim": 16, "hidden_size": 32, "latent_dim": 32, "decoder_dim": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 64, "hidden_act": "silu", "attention_bias": False, "sliding_window": 72,
+        "max_position_embeddings": 8000, "rope_theta": 10000, "rms_norm_eps": 1e-5,
+        "layer_scale_initial_scale": 0.01, "num_quantizers": 16, "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2], "attention_dropout": 0.0,
+    },
+}
+
+# What the reference's AutoFeatureExtractor reads (Mimi's feature extractor is Encodec's).
+TINY_SPEECH_TOKENIZER_PREPROCESSOR_CONFIG = {
+    "feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1, "sampling_rate": 24000,
+    "padding_side": "right", "padding_value": 0.0, "return_attention_mask": True,
+    "chunk_length_s": None, "overlap": None,
+}
+
+
+@torch.no_grad()
+def randomize_speech_tokenizer_(model: SpeechTokenizer, g: torch.Generator) -> None:
+    """Seeded random weights that behave like a codec's: used by the tiny checkpoints and the GPU benchmark."""
+    randomize_(model, g)
+
+    def usage(n: int) -> torch.Tensor:
+        # Varied positive counts: the codeword is sum / count, so a dropped division shows.
+        return 0.5 + 1.5 * torch.rand(n, generator=g)
+
+    for m in model.modules():
+        if isinstance(m, ResidualUnit):
+            # Unit-variance residual branches make the vocoder's activations grow ~x15 over its 12
+            # units; the SnakeBeta sin() of large activations then turns float rounding into
+            # O(1e-5) output noise. Smaller branches keep activations O(1), as in a trained model.
+            m.conv2.conv.weight.mul_(0.3)
+            m.conv2.conv.bias.mul_(0.3)
+        elif isinstance(m, DecoderCodebook):
+            m.cluster_usage.copy_(usage(len(m.cluster_usage)))
+        elif isinstance(m, MimiCodebook):
+            m.initialized.fill_(1.0)
+            m.cluster_usage.copy_(usage(len(m.cluster_usage)))
+    derive_all_(model)
+
+
+@torch.no_grad()
+def _spread_encoder_codebooks_(model: SpeechTokenizer, g: torch.Generator) -> None:
+    """Encoder codebooks spread over what each of them quantizes (mean and spread per dimension, one
+    stage after the other), so that random audio gives varied codes in every codebook."""
+    latents = model.encoder.latents(0.5 * torch.randn(1, 4 * 24000, generator=g))
+    for rvq in (model.encoder.quantizer.semantic_residual_vector_quantizer,
+                model.encoder.quantizer.acoustic_residual_vector_quantizer):
+        residual = rvq.project(latents).flatten(0, 1)
+        for vq in rvq.layers:
+            cb = vq.codebook
+            unit = (cb.embed - cb.embed.mean(0)) / cb.embed.std(0)
+            cb.embed_sum.copy_((residual.mean(0) + unit * residual.std(0)) * cb.cluster_usage[:, None])
+            cb._derive_()
+            residual = residual - cb.embed[cb.encode(residual)]
+
+
+@torch.no_grad()
+def _scale_decoder_output_(model: SpeechTokenizer, g: torch.Generator) -> None:
+    """Scale the last conv (output is linear in its weight and bias together) so that random codes
+    give a waveform well inside [-1, 1]: the reference's clamp would otherwise hide differences."""
+    last = model.decoder.decoder[-1].conv
+    config = model.config.decoder
+    codes = torch.randint(0, config.codebook_size, (64, config.num_quantizers), generator=g)
+    for _ in range(4):
+        peak = model.decode(codes).abs().max()
+        factor = 0.3 / peak if peak < 0.9 else 1e-2
+        last.weight.mul_(factor)
+        last.bias.mul_(factor)
+
+
+@torch.no_grad()
+def write_tiny_speech_tokenizer(directory: Path, seed: int, config: dict | None = None) -> None:
+    """Write `directory/speech_tokenizer/{config.json, preprocessor_config.json, model.safetensors}`:
+    a tiny random codec in the official layout, loadable by ours and by the reference.
+
+    `config`: the config.json to write instead of TINY_SPEECH_TOKENIZER_CONFIG (e.g. a variant of it)."""
+    from safetensors.torch import save_file
+
+    config = TINY_SPEECH_TOKENIZER_CONFIG if config is None else config
+    model = SpeechTokenizer(SpeechTokenizerConfig.from_dict(config))
+    g = torch.Generator().manual_seed(seed)
+    randomize_speech_tokenizer_(model, g)
+    _spread_encoder_codebooks_(model, g)
+    _scale_decoder_output_(model, g)
+
+    out = Path(directory) / "speech_tokenizer"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(TINY_SPEECH_TOKENIZER_PREPROCESSOR_CONFIG, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))

@@ -1,29 +1,29 @@
-"""The text-to-speech API: load a checkpoint, validate a request, generate codes, decode audio."""
+"""The text-to-speech entry point: load a checkpoint, validate a request, submit it to the model's
+engine, get streamed `Chunk`s (or the whole utterance)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
-import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pipeline import audio as audio_io
+from pipeline.codec import SpeechTokenizer
+from pipeline.engine import BatchDecoder, Engine, Handle, Job, SamplingConfig, Segment
 from pipeline.errors import TTSInputError
-from pipeline.generate import FrameDecoder, SamplingConfig, generate_frames
-from pipeline.loading import load_model, read_json, resolve_checkpoint, torch_device, torch_dtype
+from pipeline.loading import load_model, load_text_tokenizer, read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.model import Qwen3TTS
 from pipeline.prompt import ICLReference, Prompt, assistant_text, build_prompt, instruct_text, reference_text
-from pipeline.speech_tokenizer import SpeechTokenizer
-from pipeline.stream import DEFAULT_SCHEDULE, StreamRun, split_text
+from pipeline.request import MAX_TEXT_CHARS, SpeechRequest, split_text
 
 log = logging.getLogger(__name__)
 
-MAX_TEXT_CHARS = 5000
 DEFAULT_MAX_SEQ = 2048  # talker positions per segment: prompt + up to ~2.5 min of audio; long texts are split
-OFFLINE_CHUNK = 64  # frames per vocoder call when nobody is listening live
+DEFAULT_ROWS = {"cuda": 16, "cpu": 4}  # utterances decoded together (the batch of the decode step)
+OFFLINE_SCHEDULE = (64,)  # frames per chunk when nobody is listening live
 SAMPLES_PER_FRAME = 1920
 
 
@@ -34,21 +34,11 @@ class VoicePrompt:
     speaker_embedding: torch.Tensor  # [hidden]
     ref_codes: torch.Tensor | None = None  # [frames, 16]; None in x-vector-only mode
     ref_text: str | None = None
-    vocoder_state: list[torch.Tensor] | None = None  # the streaming vocoder primed with ref_codes
+    vocoder_state: list[torch.Tensor] | None = None  # a one-row vocoder stream primed with ref_codes
 
     @property
     def icl(self) -> bool:
         return self.ref_codes is not None
-
-
-@dataclass
-class Request:
-    """A validated request, ready for generation."""
-
-    prompt: Prompt
-    ref_codes: torch.Tensor | None
-    warnings: list[str] = field(default_factory=list)
-    vocoder_state: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -68,8 +58,10 @@ class TTS:
         generation_config: dict,
         name: str,
         max_seq: int = DEFAULT_MAX_SEQ,
+        rows: int | None = None,
         use_cuda_graphs: bool = True,
         compiled: bool = False,
+        max_queue: int = 64,
     ):
         self.model = model
         self.config = model.config
@@ -79,23 +71,20 @@ class TTS:
         self.name = name
         self.device = model.talker.codec_head.weight.device
         self.dtype = model.talker.codec_head.weight.dtype
-        self.lock = threading.Lock()  # one utterance at a time: the static caches belong to it
         self.max_seq = max_seq
-        self.use_cuda_graphs = use_cuda_graphs
-        self.compiled = compiled
-        self.decoder: FrameDecoder | None = None
-        self.vocoder = speech_tokenizer.stream_decoder(use_cuda_graphs=use_cuda_graphs)
-        # Generation and vocoding overlap on two CUDA streams, kept for the process (a new stream
-        # per request would also set up new cuBLAS workspaces each time).
-        on_cuda = self.device.type == "cuda"
-        self.generation_stream = torch.cuda.Stream(self.device) if on_cuda else None
-        self.vocoder_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self.rows = rows or DEFAULT_ROWS.get(self.device.type, 4)
+        with torch.inference_mode():
+            tts_pad = model.talker.embed_text(torch.tensor([[self.config.tts_pad_token_id]], device=self.device))[0, 0]
+            decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled)
+            vocoder = speech_tokenizer.batch_stream_decoder(self.rows, use_cuda_graphs)
+            # Capture now, every row idle: a capture's warm-up runs would advance live rows.
+            decoder.capture()
+            vocoder.capture()
+        self.engine = Engine(decoder, vocoder, SAMPLES_PER_FRAME, max_queue=max_queue)
 
     @classmethod
     def from_pretrained(cls, source: str, device: str = "cpu", dtype: str = "float32", **options) -> "TTS":
         """Load from a Hugging Face Hub id or a local directory in the official layout."""
-        from transformers import AutoTokenizer
-
         torch_dev, torch_dt = torch_device(device), torch_dtype(dtype)
         directory = resolve_checkpoint(source)
         model = load_model(directory, torch_dev, torch_dt)
@@ -103,7 +92,7 @@ class TTS:
         # rounding into ~0.05 of difference between chunked and offline decoding (docs/BENCHMARKS.md),
         # and reference codes from a bf16 encoder differ from float32 ones; its cost is small.
         speech_tokenizer = SpeechTokenizer.from_pretrained(directory / "speech_tokenizer", torch_dev, torch.float32)
-        text_tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        text_tokenizer = load_text_tokenizer(directory)
         return cls(model, text_tokenizer, speech_tokenizer, read_json(directory, "generation_config.json"), str(source), **options)
 
     @property
@@ -145,10 +134,8 @@ class TTS:
         if x_vector_only:
             return VoicePrompt(embedding)
         codes = self.speech_tokenizer.encode(wav.to(self.device))
-        # Prime a vocoder stream once per voice; each request then starts from a copy of its state.
-        primer = self.speech_tokenizer.stream_decoder()
-        primer.prime(codes)
-        return VoicePrompt(embedding, codes, transcript, primer.state.snapshot())
+        # Prime a one-row vocoder stream once per voice; each request's row starts from a copy of it.
+        return VoicePrompt(embedding, codes, transcript, self.engine.vocoder.primed_state(codes))
 
     def _language_id(self, language: str, speaker: str | None) -> int | None:
         t = self.config.talker_config
@@ -173,121 +160,107 @@ class TTS:
             raise TTSInputError(f"Unknown speaker '{speaker}': choose one of {', '.join(self.speakers)}.")
         return name
 
-    @torch.inference_mode()
-    def prepare(
-        self,
-        text: str,
-        language: str = "auto",
-        speaker: str | None = None,
-        instruct: str | None = None,
-        voice_prompt: VoicePrompt | None = None,
-        non_streaming_text: bool | None = None,
-    ) -> Request:
-        """Validate a request and build its prompt; every problem raises TTSInputError with one clear sentence."""
-        if not text or not text.strip():
-            raise TTSInputError("The text is empty: type what the voice should say.")
-        if len(text) > MAX_TEXT_CHARS:
-            raise TTSInputError(f"The text is {len(text)} characters long; the limit is {MAX_TEXT_CHARS} characters.")
-        speaker = self._speaker(speaker)
-        language_id = self._language_id(language, speaker)
-        warnings = []
-        instruct = (instruct or "").strip()
-        if instruct and not self.supports_instruct:
-            warnings.append(f"This {self.config.tts_model_size} {self.model_type} checkpoint ignores instructions; the instruction was not used.")
-            instruct = ""
-        if self.model_type == "base" and voice_prompt is None:
-            raise TTSInputError("Voice cloning needs reference audio (a voice prompt).")
-        if self.model_type != "base" and voice_prompt is not None:
+    def check(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> list[str]:
+        """The checkpoint-dependent checks of a request (model-independent ones first); returns warnings."""
+        request.validate()
+        speaker = self._speaker(request.speaker)
+        self._language_id(request.language, speaker)
+        if self.model_type == "base":
+            if voice is None and request.ref_audio is None:
+                raise TTSInputError("This is a Base (voice clone) checkpoint: give reference audio (and its transcript, or x-vector-only mode).")
+        elif request.ref_audio is not None or voice is not None:
             raise TTSInputError(f"Reference audio is for Base (voice clone) checkpoints; {self.name} is a {self.model_type} checkpoint.")
-        for warning in warnings:
-            log.warning(warning)
+        elif request.ref_text or request.x_vector_only:
+            raise TTSInputError("A reference transcript and x-vector-only mode need reference audio, which only Base checkpoints take.")
+        if (request.instruct or "").strip() and not self.supports_instruct:
+            return [f"This {self.config.tts_model_size} {self.model_type} checkpoint ignores instructions; the instruction was not used."]
+        return []
 
+    @torch.inference_mode()
+    def prompt(self, text: str, language: str, speaker: str | None, instruct: str, voice: VoicePrompt | None) -> Prompt:
+        """The talker prompt of one segment of text."""
+        speaker = self._speaker(speaker)
         talker = self.model.talker
         speaker_embed = None
         if speaker is not None:
             speaker_embed = talker.model.codec_embedding.weight[self.config.talker_config.spk_id[speaker]]
         icl = None
-        if voice_prompt is not None:
-            speaker_embed = voice_prompt.speaker_embedding
-            if voice_prompt.icl:
-                icl = ICLReference(self._ids(reference_text(voice_prompt.ref_text)), voice_prompt.ref_codes)
-        if non_streaming_text is None:
-            # The reference's defaults: the whole text up front, except for voice cloning.
-            non_streaming_text = self.model_type != "base"
+        if voice is not None:
+            speaker_embed = voice.speaker_embedding
+            if voice.icl:
+                icl = ICLReference(self._ids(reference_text(voice.ref_text)), voice.ref_codes)
         prompt = build_prompt(
             talker,
             self.config,
             self._ids(assistant_text(text)),
-            language_id,
+            self._language_id(language, speaker),
             speaker_embed=speaker_embed,
             instruct_ids=self._ids(instruct_text(instruct)) if instruct else None,
             icl=icl,
-            non_streaming_text=non_streaming_text,
+            # The reference's defaults: the whole text up front, except for voice cloning.
+            non_streaming_text=self.model_type != "base",
         )
-        if icl is None:
-            return Request(prompt, None, warnings)
-        return Request(prompt, voice_prompt.ref_codes, warnings, voice_prompt.vocoder_state)
+        if prompt.prefill.shape[1] + 1 >= self.max_seq:
+            raise TTSInputError(
+                f"The prompt (instruction, reference and text) takes {prompt.prefill.shape[1]} positions; "
+                f"one segment holds at most {self.max_seq - 2}. Shorten the instruction or the reference."
+            )
+        return prompt
+
+    def prepare(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> tuple[Job, list[str]]:
+        """Validate `request` and build its job (every problem raises TTSInputError, before any generation)."""
+        warnings = self.check(request, voice)
+        if self.model_type == "base" and voice is None:
+            voice = self.create_voice_prompt(request.ref_audio, request.ref_text, request.x_vector_only)
+        instruct = (request.instruct or "").strip() if self.supports_instruct else ""
+        text = request.text
+        segments = split_text(text) if len(text) <= MAX_TEXT_CHARS else [text]
+        prompts = [self.prompt(segment, request.language, request.speaker, instruct, voice) for segment in segments]
+        sampling = self.sampling(request.greedy, **request.sampling_overrides())
+        seed = random.getrandbits(31) if request.seed is None else request.seed
+        max_frames = self.default_max_frames() if request.max_frames is None else request.max_frames
+        job = Job(
+            [Segment(p.prefill, p.trailing_text, True) for p in prompts],
+            sampling,
+            seed,
+            max_frames,
+            tuple(request.schedule),
+            voice.vocoder_state if voice is not None and voice.icl else None,
+        )
+        return job, warnings
+
+    def submit(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> Handle:
+        """Validate now (errors raise here), then stream: iterate the handle for `Chunk`s."""
+        job, warnings = self.prepare(request, voice)
+        for warning in warnings:
+            log.warning(warning)
+        handle = self.engine.submit(job)
+        handle.warnings.extend(warnings)
+        return handle
+
+    def synthesize(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> Synthesis:
+        """The whole utterance: the streamed chunks of `submit`, joined."""
+        # The vocoder runs frame by frame whatever the schedule: larger chunks change nothing but overhead.
+        handle = self.submit(dataclasses.replace(request, schedule=OFFLINE_SCHEDULE), voice)
+        # Never empty: EOS is masked for the first two frames, and max_frames >= 1.
+        audio = np.concatenate([chunk.audio for chunk in handle])
+        return Synthesis(audio, self.sample_rate, handle.codes.numpy(), list(dict.fromkeys(handle.warnings)))
 
     def default_max_frames(self) -> int:
         # The reference's max_new_tokens=N gives N-1 frames.
         return int(self.generation_config.get("max_new_tokens", 2048)) - 1
 
-    def frame_decoder(self, request: Request, sampling: SamplingConfig, seed: int | None) -> FrameDecoder:
-        """The model's decoder, loaded with this request; the caller holds `self.lock`."""
-        if self.decoder is None:
-            self.decoder = FrameDecoder(self.model.talker, self.max_seq, self.use_cuda_graphs, self.compiled)
-        prompt = request.prompt
-        self.decoder.reset(prompt.trailing_text, prompt.tts_pad, sampling, random.getrandbits(31) if seed is None else seed)
-        return self.decoder
-
-    def warm_up(self, sampling: SamplingConfig | None = None) -> None:
-        """Build the decoder and capture its CUDA graph for `sampling` now, not during someone's first request."""
-        speaker = self.speakers[0] if self.speakers else None
-        voice = VoicePrompt(torch.zeros(self.config.talker_config.hidden_size, dtype=self.dtype, device=self.device)) if self.model_type == "base" else None
-        for _ in self.stream("Warm up.", speaker=speaker, voice_prompt=voice, sampling=sampling, max_frames=3, seed=0):
-            pass
-        with self.lock, torch.inference_mode():
-            self.decoder.capture_prefill_graphs()
-            for frames in range(1, max(DEFAULT_SCHEDULE) + 1):  # every chunk size a stream can ask for
-                self.vocoder.decode_chunk(torch.zeros(frames, 16, dtype=torch.long, device=self.device))
-            self.vocoder.reset()
-
-    def _max_frames(self, max_frames: int | None) -> int:
-        max_frames = self.default_max_frames() if max_frames is None else max_frames
-        if max_frames < 1:
-            raise TTSInputError(f"max_frames must be at least 1 (got {max_frames}).")
-        return max_frames
-
-    @torch.inference_mode()
-    def generate_codes(self, request: Request, sampling: SamplingConfig, max_frames: int | None = None, seed: int | None = None) -> Iterator[torch.Tensor]:
-        """Yield the 16 codes of each generated frame, one host sync per frame (see `stream` for the fast path)."""
-        max_frames = self._max_frames(max_frames)
-        with self.lock:
-            decoder = self.frame_decoder(request, sampling, seed)
-            max_frames = min(max_frames, decoder.max_frames(request.prompt.prefill.shape[1]))
-            yield from generate_frames(decoder, request.prompt.prefill, max_frames)
-
-    def stream(
-        self,
-        text: str,
-        language: str = "auto",
-        speaker: str | None = None,
-        instruct: str | None = None,
-        voice_prompt: VoicePrompt | None = None,
-        sampling: SamplingConfig | None = None,
-        max_frames: int | None = None,
-        seed: int | None = None,
-        schedule: Sequence[int] = DEFAULT_SCHEDULE,
-    ) -> StreamRun:
-        """Validate now (errors raise here), then stream `Chunk`s; long texts go segment by segment in one voice."""
-        # Unsplittable text (empty, too long) goes to prepare() whole, which says what is wrong with it.
-        segments = (split_text(text) if len(text or "") <= MAX_TEXT_CHARS else []) or [text]
-        requests = [self.prepare(segment, language, speaker, instruct, voice_prompt) for segment in segments]
-        return StreamRun(self, requests, sampling or self.sampling(), self._max_frames(max_frames), seed, schedule)
-
     def sampling(self, greedy: bool = False, **overrides) -> SamplingConfig:
         config = SamplingConfig.from_generation_config(self.generation_config, **overrides)
         return config.greedy() if greedy else config
+
+    def warm_up(self) -> None:
+        """Run one short request through the engine (its graphs were captured at load), so that no
+        user pays for first-use costs in time to first audio."""
+        speaker = self.speakers[0] if self.speakers else None
+        voice = VoicePrompt(torch.zeros(self.config.talker_config.hidden_size, dtype=self.dtype, device=self.device)) if self.model_type == "base" else None
+        for _ in self.submit(SpeechRequest("Warm up.", speaker=speaker, max_frames=3, seed=0), voice):
+            pass
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, ref_codes: torch.Tensor | None = None) -> np.ndarray:
@@ -296,21 +269,3 @@ class TTS:
             return self.speech_tokenizer.decode(codes).float().cpu().numpy()
         wav = self.speech_tokenizer.decode(torch.cat([ref_codes.to(codes.device), codes]))
         return wav[ref_codes.shape[0] * SAMPLES_PER_FRAME :].float().cpu().numpy()
-
-    def synthesize(
-        self,
-        text: str,
-        language: str = "auto",
-        speaker: str | None = None,
-        instruct: str | None = None,
-        voice_prompt: VoicePrompt | None = None,
-        sampling: SamplingConfig | None = None,
-        max_frames: int | None = None,
-        seed: int | None = None,
-    ) -> Synthesis:
-        """Offline synthesis: the streamed chunks of `stream`, joined."""
-        run = self.stream(text, language, speaker, instruct, voice_prompt, sampling, max_frames, seed, schedule=(OFFLINE_CHUNK,))
-        warnings = [w for request in run.requests for w in request.warnings]
-        # Never empty: EOS is masked for the first two frames, and max_frames >= 1.
-        audio = np.concatenate([c.audio for c in run])
-        return Synthesis(audio, self.sample_rate, run.codes_out.numpy(), list(dict.fromkeys(warnings)))

@@ -9,7 +9,8 @@ import pytest
 import soundfile as sf
 
 from pipeline.__main__ import EXIT_BAD_CHECKPOINT, EXIT_BAD_INPUT, main
-from pipeline.tts import MAX_TEXT_CHARS, SAMPLES_PER_FRAME, TTS
+from pipeline.request import MAX_TEXT_CHARS, SpeechRequest
+from pipeline.tts import SAMPLES_PER_FRAME, TTS
 
 from conftest import voice_like
 
@@ -54,14 +55,14 @@ def test_synth_writes_wav_and_codes_for_every_mode(mode, tiny_checkpoints, refer
     kwargs = dict(speaker="Ryan", language="English", instruct="Cheerful.") if kind == "custom_voice" else {}
     if kind == "voice_design":
         kwargs = dict(instruct="A calm, low female voice.")
-    expected = tts.synthesize("Hello there, tiny model.", voice_prompt=voice, sampling=tts.sampling(greedy=True), max_frames=12, **kwargs)
+    expected = tts.synthesize(SpeechRequest("Hello there, tiny model.", greedy=True, max_frames=12, **kwargs), voice)
     assert np.array_equal(codes, expected.codes)
     assert np.abs(audio - expected.audio).max() == 0
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_checkpoints):
     tts = TTS.from_pretrained(str(tiny_checkpoints["voice_design"]))
-    run = lambda seed: tts.synthesize("Hello there.", instruct="Calm.", max_frames=10, seed=seed).codes
+    run = lambda seed: tts.synthesize(SpeechRequest("Hello there.", instruct="Calm.", max_frames=10, seed=seed)).codes
     assert np.array_equal(run(3), run(3))
     assert not np.array_equal(run(3), run(4))
 
@@ -127,7 +128,7 @@ def test_speaker_on_base_and_reference_audio_on_custom_voice(capsys, synth_args,
 
 def test_base_needs_reference_audio_and_icl_needs_transcript(capsys, synth_args, reference_wav):
     code, err = cli_error(capsys, *synth_args("base", "--text", "Hi."))
-    assert code == EXIT_BAD_INPUT and "give --ref-audio" in err
+    assert code == EXIT_BAD_INPUT and "give reference audio" in err
     code, err = cli_error(capsys, *synth_args("base", "--text", "Hi.", "--ref-audio", str(reference_wav)))
     assert code == EXIT_BAD_INPUT and "needs the transcript of the reference audio" in err
 
@@ -208,3 +209,60 @@ def test_unavailable_device_and_dtype(capsys, synth_args, tiny_checkpoints):
         assert code == EXIT_BAD_INPUT and "no CUDA GPU is available" in err
     with pytest.raises(TTSInputError, match="Unsupported dtype 'float16'"):
         TTS.from_pretrained(str(tiny_checkpoints["voice_design"]), dtype="float16")
+
+
+def test_synth_batch_equals_synth_per_request_and_reports_bad_lines(tiny_checkpoints, reference_wav, tmp_path, capsys):
+    import json
+
+    kind = "custom_voice"
+    lines = [
+        {"name": "greedy", "text": "Hello there, tiny model.", "speaker": "ryan", "greedy": True, "max_frames": 12},
+        {"name": "sampled", "text": "A second voice, sampled.", "speaker": "vivian", "seed": 5, "max_frames": 15},
+        {"name": "bad-speaker", "text": "Nobody.", "speaker": "nobody"},
+        "not json at all",
+        {"name": "bad-temperature", "text": "Hot.", "speaker": "ryan", "temperature": 0},
+        {"name": "cold", "text": "The third one.", "speaker": "ryan", "seed": 9, "temperature": 0.5, "max_frames": 10},
+    ]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    out_dir = tmp_path / "out"
+    code = main(["synth-batch", "--model", str(tiny_checkpoints[kind]), "--requests", str(requests), "--out-dir", str(out_dir)])
+    captured = capsys.readouterr()
+    assert code == EXIT_BAD_INPUT  # some lines were bad; the others ran
+    assert "line 3 (bad-speaker): Unknown speaker 'nobody'" in captured.err
+    assert "line 4 (?): not valid JSON" in captured.err
+    assert "line 5 (bad-temperature): temperature must be a number above 0" in captured.err
+    for name in ("greedy", "sampled", "cold"):
+        assert f"{name}: frames" in captured.out and "TTFA" in captured.out
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(
+        f"{n}{ext}" for n in ("greedy", "sampled", "cold") for ext in (".wav", ".codes.npy"))
+    # Each output equals what `synth` gives for that request alone.
+    for line in (lines[0], lines[1], lines[5]):
+        flags = ["--speaker", line["speaker"], "--max-frames", str(line["max_frames"])]
+        flags += ["--greedy"] if line.get("greedy") else ["--seed", str(line["seed"])]
+        if "temperature" in line:
+            flags += ["--temperature", str(line["temperature"])]
+        solo_wav, solo_codes = tmp_path / f"{line['name']}.wav", tmp_path / f"{line['name']}.npy"
+        assert main(["synth", "--model", str(tiny_checkpoints[kind]), "--text", line["text"], *flags,
+                     "--out", str(solo_wav), "--codes-out", str(solo_codes)]) == 0
+        np.testing.assert_array_equal(np.load(out_dir / f"{line['name']}.codes.npy"), np.load(solo_codes))
+        batch_audio, _ = sf.read(out_dir / f"{line['name']}.wav", dtype="float32")
+        solo_audio, _ = sf.read(solo_wav, dtype="float32")
+        assert np.abs(batch_audio - solo_audio).max() <= 1e-6  # float32 rounding of the row it ran in (see test_engine)
+
+
+def test_synth_batch_names_must_be_safe_and_unique(tiny_checkpoints, tmp_path, capsys):
+    import json
+
+    requests = tmp_path / "r.jsonl"
+    requests.write_text("\n".join(json.dumps(d) for d in [
+        {"name": "../escape", "text": "Hi.", "speaker": "ryan", "max_frames": 2},
+        {"name": "same", "text": "Hi.", "speaker": "ryan", "max_frames": 2},
+        {"name": "same", "text": "Hi.", "speaker": "ryan", "max_frames": 2},
+    ]))
+    code = main(["synth-batch", "--model", str(tiny_checkpoints["custom_voice"]), "--requests", str(requests), "--out-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT
+    assert "line 1 (?): every request needs a 'name' made of letters" in err
+    assert "line 3 (?): the name 'same' is used by an earlier line" in err
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["same.codes.npy", "same.wav"]

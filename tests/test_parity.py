@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.request import SpeechRequest
 from pipeline.tts import SAMPLES_PER_FRAME, TTS
 
 FRAMES = 48
@@ -38,6 +39,13 @@ class ReferenceRun:
     wav: np.ndarray
     prefill: torch.Tensor  # [1, L, hidden]
     trailing: torch.Tensor  # [1, T, hidden]
+
+
+@dataclass
+class Ours:
+    segment: object  # the engine's Segment: prompt and per-frame text
+    ref_codes: torch.Tensor | None
+    tts_pad: torch.Tensor
 
 
 @pytest.fixture(scope="session")
@@ -87,20 +95,23 @@ def runs(reference_models, our_models, reference_wav):
         voice = None
         if kind == "base":
             voice = tts.create_voice_prompt(str(reference_wav), REF_TEXT if mode == "icl_clone" else None, x_vector_only=mode == "xvector_clone")
-        request = tts.prepare(TEXT, voice_prompt=voice, **ours_kwargs)
-        codes = torch.stack(list(tts.generate_codes(request, tts.sampling(greedy=True), max_frames=FRAMES)))
-        results[mode] = (ref, request, codes, tts.decode(codes, request.ref_codes))
+        request = SpeechRequest(TEXT, greedy=True, max_frames=FRAMES, **ours_kwargs)
+        job, _ = tts.prepare(request, voice)
+        result = tts.synthesize(request, voice)
+        codes = torch.from_numpy(result.codes)
+        ref_codes = voice.ref_codes if voice is not None and voice.icl else None
+        results[mode] = (ref, Ours(job.segments[0], ref_codes, tts.engine.decoder.tts_pad), codes, result.audio)
     return results
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prefill_embeddings_equal_reference(runs, mode):
     ref, request, _, _ = runs[mode]
-    assert request.prompt.prefill.shape == ref.prefill.shape
-    torch.testing.assert_close(request.prompt.prefill, ref.prefill, rtol=0, atol=1e-6)
+    assert request.segment.prompt.shape == ref.prefill.shape
+    torch.testing.assert_close(request.segment.prompt, ref.prefill, rtol=0, atol=1e-6)
     # The reference pads per-frame text with tts_pad; ours holds the text and tts_pad separately.
-    ours = torch.cat([request.prompt.trailing_text, request.prompt.tts_pad[None]])
-    expected = torch.cat([ref.trailing[0], request.prompt.tts_pad[None]])
+    ours = torch.cat([request.segment.trailing, request.tts_pad[None]])
+    expected = torch.cat([ref.trailing[0], request.tts_pad[None]])
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
 
@@ -182,8 +193,7 @@ def test_logit_processors_equal_reference(case, tiny_checkpoints, tmp_path):
     reference = Qwen3TTSModel.from_pretrained(str(path), dtype=torch.float32)
     expected = run_reference(reference, "generate_custom_voice", None, speaker="ryan", language="english").codes
     tts = TTS.from_pretrained(str(path))
-    request = tts.prepare(TEXT, speaker="ryan", language="english")
-    codes = torch.stack(list(tts.generate_codes(request, tts.sampling(greedy=True), max_frames=FRAMES)))
+    codes = torch.from_numpy(tts.synthesize(SpeechRequest(TEXT, speaker="ryan", language="english", greedy=True, max_frames=FRAMES)).codes)
     assert torch.equal(codes, expected)
     assert (codes[:, 0] < 2048).all()
     if case == "eos_dominates":

@@ -1,14 +1,18 @@
-"""The 12 Hz speech tokenizer: parity with the reference `qwen_tts` package on a tiny random
-checkpoint, and exactness of the streaming decoder against offline decoding."""
+"""The 12 Hz speech tokenizer: parity with the reference `qwen_tts` package on tiny random
+checkpoints, exactness of the streaming decoders (one stream, and a batch of streams that join,
+pause and leave at different times) against offline decoding, and damaged files."""
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from pipeline.codec import SpeechTokenizer
 from pipeline.errors import CheckpointError
-from pipeline.speech_tokenizer import SpeechTokenizer, write_tiny_speech_tokenizer
+from pipeline.tiny import TINY_SPEECH_TOKENIZER_CONFIG, write_tiny_speech_tokenizer
 
 SR = 24000
 HOP = 1920  # samples per code frame
@@ -169,3 +173,144 @@ def test_missing_weights_name_the_file(checkpoint, tmp_path):
     (tmp_path / "speech_tokenizer" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="model.safetensors"):
         SpeechTokenizer.from_pretrained(tmp_path)
+
+
+def test_encoder_without_latent_projection_matches_reference(tmp_path):
+    # Mimi builds the quantizers' input/output projections only when vector_quantization_hidden_dimension
+    # differs from hidden_size; with the two equal the codebooks quantize the latents as they are.
+    encoder = dict(TINY_SPEECH_TOKENIZER_CONFIG["encoder_config"], vector_quantization_hidden_dimension=32, codebook_dim=32)
+    assert encoder["hidden_size"] == 32
+    write_tiny_speech_tokenizer(tmp_path, seed=1, config=dict(TINY_SPEECH_TOKENIZER_CONFIG, encoder_config=encoder))
+    ours = SpeechTokenizer.from_pretrained(tmp_path)
+    reference = _load_reference(tmp_path / "speech_tokenizer")
+    assert not any("residual_vector_quantizer.input_proj" in name for name in ours.state_dict())
+    reference.model.load_state_dict(ours.state_dict(), strict=True)
+    wav = _chirp_with_noise(2.5)
+    codes = ours.encode(wav)
+    assert torch.equal(codes.cpu(), reference.encode(wav.numpy(), sr=SR).audio_codes[0].cpu())
+    assert min(len(codes[:, q].unique()) for q in range(16)) > 5
+
+
+def test_codebook_dim_must_be_the_quantized_size(checkpoint, tmp_path):
+    shutil.copytree(checkpoint / "speech_tokenizer", tmp_path / "speech_tokenizer")
+    config_path = tmp_path / "speech_tokenizer" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["encoder_config"]["codebook_dim"] = 8
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="codebook_dim 8 differs from vector_quantization_hidden_dimension 16") as e:
+        SpeechTokenizer.from_pretrained(tmp_path)
+    assert str(config_path) in str(e.value)
+
+
+# --- Damaged files: a CheckpointError naming the file ------------------------------------------------------------
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _drop_one_tensor(path: Path) -> None:
+    weights = load_file(path)
+    del weights[sorted(weights)[0]]
+    save_file(weights, path)
+
+
+DAMAGED = [
+    pytest.param("config.json", _truncate, "is not valid JSON", id="config-truncated"),
+    pytest.param("config.json", lambda p: p.write_text("<html>502 Bad Gateway</html>"), "is not valid JSON", id="config-html"),
+    pytest.param("config.json", lambda p: p.write_text("[]"), "does not hold a JSON object", id="config-list"),
+    pytest.param("model.safetensors", _truncate, "damaged or is not a safetensors file", id="weights-truncated"),
+    pytest.param("model.safetensors", lambda p: p.write_bytes(bytes(range(256)) * 64), "damaged or is not a safetensors file",
+                 id="weights-garbage"),
+    pytest.param("model.safetensors", lambda p: p.write_bytes(b""), "damaged or is not a safetensors file", id="weights-empty"),
+    pytest.param("model.safetensors", _drop_one_tensor, "do not match the config", id="weights-missing-tensor"),
+]
+
+
+@pytest.mark.parametrize("name, damage, problem", DAMAGED)
+def test_damaged_file_is_a_checkpoint_error_naming_it(checkpoint, tmp_path, name, damage, problem):
+    shutil.copytree(checkpoint / "speech_tokenizer", tmp_path / "speech_tokenizer")
+    damage(tmp_path / "speech_tokenizer" / name)
+    with pytest.raises(CheckpointError, match=problem) as e:
+        SpeechTokenizer.from_pretrained(tmp_path)
+    assert str(tmp_path / "speech_tokenizer" / name) in str(e.value)
+
+
+# --- Batched streaming: one decoder call for many streams --------------------------------------------------------
+
+ROW_FRAMES = (80, 25, 30)  # row 0 outlasts the 72-frame window
+ROW_STARTS = (0, 3, 6)  # the call at which each row joins
+ROW_PAUSES = ({4, 5, 20}, {7, 8}, {10})  # calls a row skips after joining
+PRIMED_ROW, REF_FRAMES = 2, 10
+CHUNK_SIZES = (1, 1, 2, 1, 3)  # frames per call, in turn
+
+
+def _decode_staggered(batch, rows: list[torch.Tensor], ref_codes: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's audio when the rows join, pause and leave on the schedule above, in one batch.
+    Asserts on every call that the rows left out keep their state bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    # Every row starts dirty, so a row that joins is fresh only if reset_row made it so.
+    batch.decode_frames(torch.randint(0, 2048, (len(rows), 9, 16), generator=g), torch.ones(len(rows), dtype=torch.bool))
+    primed = batch.primed_state(ref_codes)
+    done, parts, call = [0] * len(rows), [[] for _ in rows], 0
+    while any(d < len(codes) for d, codes in zip(done, rows)):
+        n = CHUNK_SIZES[call % len(CHUNK_SIZES)]
+        for r in range(len(rows)):
+            if call == ROW_STARTS[r]:
+                batch.reset_row(r, primed if r == PRIMED_ROW else None)
+        active = torch.tensor([ROW_STARTS[r] <= call and call not in ROW_PAUSES[r] and done[r] + n <= len(rows[r])
+                               for r in range(len(rows))])
+        codes = torch.randint(0, 2048, (len(rows), n, 16), generator=g)  # what inactive rows get: ignored
+        for r in active.nonzero()[:, 0].tolist():
+            codes[r] = rows[r][done[r]:done[r] + n]
+        before = batch.state.snapshot()
+        wav = batch.decode_frames(codes, active)
+        after = batch.state.snapshot()
+        assert wav.shape == (len(rows), n * HOP)
+        for r in range(len(rows)):
+            if active[r]:
+                parts[r].append(wav[r].clone())  # clone: with CUDA graphs `wav` is overwritten by the next call
+                done[r] += n
+            else:
+                assert all(torch.equal(b[r], a[r]) for b, a in zip(before, after))
+        call += 1
+    return [torch.cat(p) for p in parts]
+
+
+def _check_staggered(model: SpeechTokenizer, use_cuda_graphs: bool) -> None:
+    rows = [_codes(n, seed=20 + r) for r, n in enumerate(ROW_FRAMES)]
+    ref_codes = _codes(REF_FRAMES, seed=30)
+    wavs = _decode_staggered(model.batch_stream_decoder(len(rows), use_cuda_graphs), rows, ref_codes)
+    for r, (codes, wav) in enumerate(zip(rows, wavs)):
+        context = ref_codes if r == PRIMED_ROW else codes[:0]
+        expected = model.decode(torch.cat([context, codes]))[len(context) * HOP:]
+        assert _max_diff(wav, expected) < TOL, f"row {r}"
+
+
+def test_batched_rows_join_pause_and_leave_independently(ours):
+    _check_staggered(ours, use_cuda_graphs=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batched_rows_with_cuda_graphs(checkpoint):
+    _check_staggered(SpeechTokenizer.from_pretrained(checkpoint, "cuda"), use_cuda_graphs=True)
+
+
+def test_reset_row_starts_a_fresh_stream_and_leaves_the_others(ours):
+    batch = ours.batch_stream_decoder(2)
+    codes = _codes(30, seed=13)
+    batch.decode_frames(torch.stack([codes[:20], codes[10:]]), torch.tensor([True, True]))
+    before = batch.state.snapshot()
+    batch.reset_row(0)
+    after = batch.state.snapshot()
+    assert all(not a[0].any() and torch.equal(a[1], b[1]) for a, b in zip(after, before))
+    only_first = torch.tensor([True, False])
+    wav = torch.cat([batch.decode_frames(torch.stack([chunk, chunk]), only_first)[0] for chunk in codes.split(4)])
+    assert _max_diff(wav, ours.decode(codes)) < TOL
+
+
+def test_a_primed_row_needs_a_one_row_snapshot(ours):
+    batch = ours.batch_stream_decoder(2)
+    with pytest.raises(ValueError, match="one-row snapshot"):
+        batch.reset_row(0, batch.state.snapshot())

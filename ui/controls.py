@@ -8,13 +8,10 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from pipeline.errors import TTSInputError
-from pipeline.generate import SamplingConfig
-from pipeline.service import TINY, ModelInfo, ModelService, SpeechRequest
-from pipeline.stream import DEFAULT_SCHEDULE
+from pipeline.service import DEFAULT_SCHEDULE, TINY, ModelInfo, ModelService, SpeechRequest, TTSInputError
 from ui.latency import LatencyPanel
 
-DEFAULTS = SamplingConfig()  # the reference's defaults, which the official checkpoints ship
+DEFAULTS = ModelService.sampling_defaults()  # the reference's defaults, which the official checkpoints ship
 MAX_TEXT_LINES = 8
 FRAMES_PER_SECOND = 12.5
 MAX_SECONDS = 160  # the checkpoints' own limit is 2047 frames (164 s)
@@ -76,7 +73,7 @@ def sampling_fields(
         "top_k": int(top_k),
         "top_p": float(top_p),
         "repetition_penalty": float(penalty),
-        "seed": None if seed is None else int(seed),
+        "seed": None if seed is None else float(seed),
         "schedule": schedule or "",
     }
 
@@ -232,17 +229,16 @@ def wire_buttons(
     stop: gr.Button,
     handler: Callable[..., Iterator[dict]],
     inputs: list[gr.components.Component],
-    concurrency_id: str,
 ) -> None:
-    """Generate runs `handler` in the model's queue (one utterance at a time per model, as the model
-    itself serves one); Stop silences the player, stops the stream and frees the slot at once."""
+    """Generate runs `handler` at once for every visitor: the model's engine batches the utterances and
+    queues what does not fit (the panel shows the position); Stop silences the player, stops the
+    stream and frees the engine's row within a frame."""
     event = generate.click(
         handler,
         inputs=inputs + [panel.run_id],
         outputs=panel.outputs,
         js=panel.arm_js(),
-        concurrency_limit=1,
-        concurrency_id=concurrency_id,
+        concurrency_limit=None,
         show_progress="hidden",  # the player and the summary show progress; spinners only cost the click time
         api_name=f"{panel.name}_generate",
     )

@@ -19,8 +19,7 @@ import gradio as gr
 import numpy as np
 import pandas as pd
 
-from pipeline.service import StreamStart
-from pipeline.stream import Chunk
+from pipeline.service import Chunk, Queued, StreamEnd, StreamStart
 from ui.pcm_stream import CHANNELS, ROUTE, RUN_ID
 
 PLAYER_JS = Path(__file__).with_name("player.js")
@@ -52,6 +51,11 @@ def summary_text(start: StreamStart, chunks: list[Chunk], first_sent_ms: float |
         f"TTFA **{chunks[0].elapsed_ms:.0f} ms** (model) · first chunk sent {first_sent_ms:.0f} ms after the request arrived · "
         f"{rtf} · {last.audio_seconds:.2f} s of audio in {len(chunks)} chunks · `{start.checkpoint}`"
     )
+
+
+def queued_text(queued: Queued) -> str:
+    ahead = "next in line" if queued.ahead == 0 else f"{queued.ahead} request{'s' if queued.ahead > 1 else ''} ahead"
+    return f"Every slot of the model is busy: waiting ({ahead})…"
 
 
 def table_frame(rows: list[list]) -> pd.DataFrame:
@@ -109,7 +113,7 @@ class LatencyPanel:
         CHANNELS.finish(run_id)
 
     def stream(
-        self, start: StreamStart, chunks: Iterator[Chunk], run_id: str, received: float, stop: Callable[[], object]
+        self, start: StreamStart, chunks: Iterator[Chunk | Queued | StreamEnd], run_id: str, received: float, stop: Callable[[], object]
     ) -> Iterator[dict]:
         """Panel updates for a stream. A pump thread sends each chunk's audio to the player the moment
         it is ready, so audio never waits for the table and plot to be rendered; this generator
@@ -130,6 +134,7 @@ class LatencyPanel:
         rows: list[list] = []
         first_sent_ms = None
         ended = False
+        end = StreamEnd(stopped=False)
         next_update = time.perf_counter()  # the first row (the TTFA) shows at once; later ones are batched
         while not ended:
             for item in self._batch(arrived, next_update):
@@ -138,6 +143,12 @@ class LatencyPanel:
                     break
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, StreamEnd):
+                    end = item
+                    continue
+                if isinstance(item, Queued):
+                    yield {self.summary: queued_text(item)}
+                    continue
                 chunk, since_ms = item
                 first_sent_ms = since_ms if first_sent_ms is None else first_sent_ms
                 done.append(chunk)
@@ -145,7 +156,12 @@ class LatencyPanel:
             if done:
                 yield {self.table: table_frame(rows), self.plot: plot_frame(done), self.summary: summary_text(start, done, first_sent_ms, ended)}
             next_update = time.perf_counter() + UPDATE_INTERVAL_S
+        for warning in end.warnings:
+            gr.Warning(warning)
         if not done:
+            if end.stopped:
+                yield {self.summary: "Stopped before the first audio."}
+                return
             raise gr.Error("The model ended the utterance before producing any audio; try another seed or text.")
         yield {self.audio: (done[0].sample_rate, pcm16(np.concatenate([c.audio for c in done])))}
 
@@ -162,10 +178,13 @@ class LatencyPanel:
 
     def _pump(self, chunks: Iterator[Chunk], run_id: str, live: bool, received: float, arrived: queue.Queue) -> None:
         try:
-            for chunk in chunks:
+            for item in chunks:
+                if not isinstance(item, Chunk):
+                    arrived.put(item)
+                    continue
                 if live:
-                    CHANNELS.send(run_id, pcm16(chunk.audio).astype("<i2").tobytes())
-                arrived.put((chunk, (time.perf_counter() - received) * 1000.0))
+                    CHANNELS.send(run_id, pcm16(item.audio).astype("<i2").tobytes())
+                arrived.put((item, (time.perf_counter() - received) * 1000.0))
         except BaseException as exc:  # raised to the user by `stream`
             arrived.put(exc)
         finally:

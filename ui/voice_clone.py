@@ -60,7 +60,7 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
     def speak(name, ref, transcript, xvec, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
               request: gr.Request, progress=gr.Progress(track_tqdm=True)):
         speech = SpeechRequest(
-            MODEL_TYPE, text, checkpoint=name, language=language, ref_audio=ref, ref_text=transcript, x_vector_only=bool(xvec),
+            text, model_type=MODEL_TYPE, checkpoint=name, language=language, ref_audio=ref, ref_text=transcript, x_vector_only=bool(xvec),
             **controls.sampling_fields(temperature, top_k, top_p, penalty, seed, schedule, max_seconds),
         )
         yield from controls.generation(service, panel, speech, run_id, request, progress)
@@ -84,5 +84,5 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
                 show_progress="minimal", api_visibility="private")
 
     inputs = [checkpoint, ref_audio, ref_text, x_vector_only, text, language, *advanced.inputs]
-    controls.wire_buttons(service, panel, generate, stop, speak, inputs, concurrency_id=MODEL_TYPE)
+    controls.wire_buttons(service, panel, generate, stop, speak, inputs)
     return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language])

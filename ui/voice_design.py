@@ -39,11 +39,11 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
     def speak(name, voice, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
               request: gr.Request, progress=gr.Progress(track_tqdm=True)):
         speech = SpeechRequest(
-            MODEL_TYPE, text, checkpoint=name, language=language, instruct=voice,
+            text, model_type=MODEL_TYPE, checkpoint=name, language=language, instruct=voice,
             **controls.sampling_fields(temperature, top_k, top_p, penalty, seed, schedule, max_seconds),
         )
         yield from controls.generation(service, panel, speech, run_id, request, progress)
 
     inputs = [checkpoint, description, text, language, *advanced.inputs]
-    controls.wire_buttons(service, panel, generate, stop, speak, inputs, concurrency_id=MODEL_TYPE)
+    controls.wire_buttons(service, panel, generate, stop, speak, inputs)
     return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language])

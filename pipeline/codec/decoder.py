@@ -1,0 +1,408 @@
+"""The codec's decoder: codes [B, T, 16] -> 24 kHz waveform [B, 1, T * 1920].
+
+RVQ lookup -> causal conv -> transformer with a 72-frame sliding window -> 2 x (transposed conv +
+ConvNeXt) -> SnakeBeta conv vocoder. Every layer is causal and keeps its context in a
+`StreamState`, so offline decoding, one stream decoded in chunks (`StreamingDecoder`) and many
+streams decoded one call for all (`BatchStreamingDecoder`) are the same code path and agree.
+
+Parameter names are the official checkpoint's. Derived tensors (codebook table, fused
+projections, SnakeBeta exponentials) are non-persistent buffers rebuilt after loading.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.codec.config import DecoderConfig
+from pipeline.codec.streaming import (CausalConv1d, CausalConvTranspose1d, StreamState, exact_float32_convolutions,
+                                      rederive_after_load)
+from pipeline.graphs import CUDAGraphed
+from pipeline.layers import LayerScale, RMSNorm, apply_rope, attention, rope_tables
+
+
+class SnakeBeta(nn.Module):
+    """x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2, per channel."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+        self.register_load_state_dict_post_hook(rederive_after_load)
+        self._derive_()
+
+    def _derive_(self) -> None:
+        # Same ops and dtype as the reference computes on every call, done once.
+        self.register_buffer("alpha_exp", self.alpha.detach().exp()[:, None], persistent=False)
+        self.register_buffer("inv_beta", (1.0 / (self.beta.detach().exp() + 1e-9))[:, None], persistent=False)
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        # `state` unused: stateless, but callable like its stateful neighbours in a ModuleList.
+        return x + self.inv_beta * torch.sin(x * self.alpha_exp).pow(2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        h = self.dwconv(x, state).transpose(1, 2)
+        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
+        return x + (self.gamma * h).transpose(1, 2)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConv1d(dim, dim, 7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConv1d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x), state)), state)
+
+
+class DecoderBlock(nn.Module):
+    """SnakeBeta -> x`rate` transposed conv -> residual units with dilations 1, 3, 9."""
+
+    def __init__(self, in_dim: int, out_dim: int, rate: int):
+        super().__init__()
+        self.block = nn.ModuleList([SnakeBeta(in_dim), CausalConvTranspose1d(in_dim, out_dim, 2 * rate, rate)]
+                                   + [ResidualUnit(out_dim, d) for d in (1, 3, 9)])
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        for layer in self.block:
+            x = layer(x, state)
+        return x
+
+
+def _fused_weight(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # A copy: the checkpoint's separate projections stay the parameters (and the state_dict).
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    return weight, bias
+
+
+class SlidingWindowAttention(nn.Module):
+    """Causal attention over the last `window` frames (the frame itself included).
+
+    Streaming keeps the last window-1 keys/values *before* RoPE. RoPE is applied per call at
+    chunk-relative positions (history at 0..window-2, the chunk after it): scores depend only on
+    position differences, so this equals absolute positions while the positions stay small and
+    fixed for a given chunk size, however long the stream runs.
+    """
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = h, kv, d
+        self.history = config.sliding_window - 1
+        self.scale = d ** -0.5
+        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.attention_bias)
+        self.register_load_state_dict_post_hook(rederive_after_load)
+        self._derive_()
+
+    def _derive_(self) -> None:
+        weight, bias = _fused_weight(self.q_proj, self.k_proj, self.v_proj)  # one GEMM instead of three
+        self.register_buffer("qkv_weight", weight, persistent=False)
+        self.register_buffer("qkv_bias", bias, persistent=False)
+
+    def init_state(self, batch_size: int, device, dtype):
+        shape = (batch_size, self.kv_heads, self.history, self.head_dim)
+        return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                state: StreamState) -> torch.Tensor:
+        # x: [B, T, hidden]; cos/sin: [history + T, head_dim]; mask: [B, T, history + T] (additive)
+        b, t, _ = x.shape
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        k_tail, v_tail = state[self]
+        k, v = torch.cat((k_tail, k), dim=2), torch.cat((v_tail, v), dim=2)
+        state.update(k_tail, k[:, :, t:])
+        state.update(v_tail, v[:, :, t:])
+        q = apply_rope(q, cos[self.history:], sin[self.history:])
+        k = apply_rope(k, cos, sin)
+        out = attention(q, k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.register_load_state_dict_post_hook(rederive_after_load)
+        self._derive_()
+
+    def _derive_(self) -> None:
+        self.register_buffer("gate_up_weight", _fused_weight(self.gate_proj, self.up_proj)[0], persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.self_attn = SlidingWindowAttention(config)
+        self.mlp = DecoderMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
+        self.mlp_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
+
+    def forward(self, x, cos, sin, mask, state: StreamState) -> torch.Tensor:
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask, state))
+        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+
+
+class DecoderTransformer(nn.Module):
+    """latent -> hidden -> sliding-window layers -> RMSNorm -> latent. Its own state is the number
+    of frames each row has already seen ([batch], on the device), which hides the history slots
+    that row has not filled yet."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_proj = nn.Linear(config.latent_dim, config.hidden_size)
+        self.output_proj = nn.Linear(config.hidden_size, config.latent_dim)
+
+    def init_state(self, batch_size: int, device, dtype):
+        return torch.zeros(batch_size, device=device, dtype=torch.int64)
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        # x: [B, T, latent_dim]
+        t, history = x.shape[1], self.config.sliding_window - 1
+        x = self.input_proj(x)
+        cos, sin = (c.to(x.dtype) for c in rope_tables(self.config.head_dim, self.config.rope_theta, history + t, x.device))
+        seen = state[self]
+        mask = self._attention_mask(seen, t)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, state)
+        state.update(seen, seen + t)
+        return self.output_proj(self.norm(x))
+
+    def _attention_mask(self, seen: torch.Tensor, t: int) -> torch.Tensor:
+        """[B, t, history + t], additive: causal, within the window, and only onto the history slots
+        that row has filled (its last `seen` frames; zeros before a stream's first frame)."""
+        window = self.config.sliding_window
+        history = window - 1
+        q_pos = torch.arange(history, history + t, device=seen.device)[:, None]
+        k_pos = torch.arange(history + t, device=seen.device)[None, :]
+        in_window = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        filled = k_pos >= (history - seen)[:, None, None]
+        return torch.where(in_window & filled, 0.0, float("-inf"))
+
+
+class DecoderCodebook(nn.Module):
+    """Stored as a running sum and a usage count; the codeword is their ratio."""
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.cluster_usage = nn.Parameter(torch.ones(size))
+        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+
+    def embedding(self) -> torch.Tensor:
+        return self.embedding_sum.detach() / self.cluster_usage.detach().clamp(min=1e-5)[:, None]
+
+
+class _VQ(nn.Module):
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self._codebook = DecoderCodebook(size, dim)
+
+
+class _VQStack(nn.Module):
+    def __init__(self, n: int, size: int, dim: int):
+        super().__init__()
+        self.layers = nn.ModuleList([_VQ(size, dim) for _ in range(n)])
+
+
+class _DecoderRVQ(nn.Module):
+    def __init__(self, n: int, size: int, dim: int, io_dim: int):
+        super().__init__()
+        self.input_proj = nn.Conv1d(io_dim, dim, 1, bias=False)  # encode-side only; kept for the checkpoint
+        self.output_proj = nn.Conv1d(dim, io_dim, 1, bias=False)
+        self.vq = _VQStack(n, size, dim)
+
+
+class DecoderQuantizer(nn.Module):
+    """codes [B, T, Q] -> [B, codebook_dim, T]: codebook 0 (semantic) and the sum of codebooks
+    1..Q-1 (acoustic) each go through their own 1x1 projection."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        dim, q, size = config.codebook_dim // 2, config.num_quantizers, config.codebook_size
+        self.codebook_size = size
+        self.rvq_first = _DecoderRVQ(1, size, dim, config.codebook_dim)
+        self.rvq_rest = _DecoderRVQ(q - 1, size, dim, config.codebook_dim)
+        self.register_load_state_dict_post_hook(rederive_after_load)
+        self._derive_()
+
+    def _derive_(self) -> None:
+        layers = list(self.rvq_first.vq.layers) + list(self.rvq_rest.vq.layers)
+        # All codebooks in one table: one gather for the 16 lookups.
+        table = torch.cat([m._codebook.embedding() for m in layers])
+        self.register_buffer("table", table, persistent=False)
+        self.register_buffer("offsets", torch.arange(len(layers), device=table.device) * self.codebook_size,
+                             persistent=False)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        e = F.embedding(codes + self.offsets, self.table)  # [B, T, Q, dim]
+        out = F.linear(e[:, :, 0], self.rvq_first.output_proj.weight[..., 0])
+        out = out + F.linear(e[:, :, 1:].sum(2), self.rvq_rest.output_proj.weight[..., 0])
+        return out.transpose(1, 2)
+
+
+class SpeechDecoder(nn.Module):
+    """codes [B, T, 16] -> waveform [B, 1, T * 1920] in [-1, 1]."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.quantizer = DecoderQuantizer(config)
+        self.pre_conv = CausalConv1d(config.codebook_dim, config.latent_dim, 3)
+        self.pre_transformer = DecoderTransformer(config)
+        self.upsample = nn.ModuleList([
+            nn.ModuleList([CausalConvTranspose1d(config.latent_dim, config.latent_dim, r, r),
+                           ConvNeXtBlock(config.latent_dim)])
+            for r in config.upsampling_ratios])
+        dims = [config.decoder_dim // 2 ** i for i in range(len(config.upsample_rates) + 1)]
+        self.decoder = nn.ModuleList(
+            [CausalConv1d(config.latent_dim, dims[0], 7)]
+            + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(config.upsample_rates)]
+            + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)])
+
+    @property
+    def device(self) -> torch.device:
+        return self.quantizer.table.device
+
+    def forward(self, codes: torch.Tensor, state: StreamState) -> torch.Tensor:
+        with exact_float32_convolutions():
+            return self.vocode(self.latents(codes, state), state)
+
+    def latents(self, codes: torch.Tensor, state: StreamState) -> torch.Tensor:
+        """codes [B, T, 16] -> transformer output [B, latent_dim, T] (12.5 Hz)."""
+        h = self.pre_conv(self.quantizer(codes), state)
+        return self.pre_transformer(h.transpose(1, 2), state).transpose(1, 2)
+
+    def vocode(self, h: torch.Tensor, state: StreamState) -> torch.Tensor:
+        """[B, latent_dim, T] -> waveform [B, 1, T * 1920], clamped to [-1, 1] as the reference."""
+        for up, convnext in self.upsample:
+            h = convnext(up(h, state), state)
+        for layer in self.decoder:
+            h = layer(h, state)
+        return h.clamp(-1, 1)
+
+
+class StreamingDecoder:
+    """One decoding stream: `decode_chunk(codes[n, 16])` -> exactly n * 1920 samples, and the
+    concatenation over any chunking equals `SpeechTokenizer.decode` of all the codes."""
+
+    def __init__(self, decoder: SpeechDecoder):
+        self.decoder = decoder
+        with torch.inference_mode():
+            self.state = StreamState(decoder, batch_size=1)
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.device
+
+    @torch.inference_mode()
+    def prime(self, codes: torch.Tensor) -> None:
+        """Feed context frames (e.g. the voice-clone reference codes) and emit nothing for them."""
+        if len(codes):
+            self.decoder(codes[None].to(self.device), self.state)
+
+    @torch.inference_mode()
+    def decode_chunk(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes: LongTensor [n, 16] -> float32 waveform [n * 1920] (on the model's device)."""
+        return self.decoder(codes[None].to(self.device), self.state)[0, 0].float()
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """Start a new stream, in place."""
+        self.state.reset()
+
+
+class BatchStreamingDecoder:
+    """Up to `batch_size` streams, one per row, decoded by one call: `decode_frames(codes, active)`
+    advances the active rows by n frames and leaves the others' state bit for bit as it was. Rows
+    join (`reset_row`, from scratch or from a `primed_state`), pause and leave independently, and
+    each row's audio over its active calls equals `SpeechTokenizer.decode` of its codes.
+
+    On CUDA with `use_cuda_graphs`, each n is captured once as a CUDA graph over the state and its
+    advance mask (both updated in place, so the graphs stay valid) and replayed.
+    """
+
+    def __init__(self, decoder: SpeechDecoder, batch_size: int, use_cuda_graphs: bool = False):
+        self.decoder, self.batch_size = decoder, batch_size
+        with torch.inference_mode():
+            self.state = StreamState(decoder, batch_size)
+            self.state.set_active(torch.zeros(batch_size, dtype=torch.bool))
+        self.use_cuda_graphs = use_cuda_graphs and decoder.device.type == "cuda"
+        self.graphs: dict[int, tuple[CUDAGraphed, torch.Tensor]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.device
+
+    @torch.inference_mode()
+    def decode_frames(self, codes: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """codes: LongTensor [batch, n, 16], active: BoolTensor [batch] -> float32 [batch, n * 1920].
+
+        Inactive rows still need valid codes (zeros will do) and their audio is not part of their
+        stream. The result is a static buffer that the next call of this n overwrites.
+        """
+        graph, codes_in = self.graphs.get(codes.shape[1]) or self.capture(codes.shape[1])
+        codes_in.copy_(codes)
+        self.state.active.copy_(active)
+        return graph()
+
+    @torch.inference_mode()
+    def capture(self, frames: int = 1) -> tuple[CUDAGraphed, torch.Tensor]:
+        """The call for `frames` frames per row, as a CUDA graph (captured now) where graphs are on.
+        Capture runs the decoder for real; the state is put back afterwards."""
+        codes_in = torch.zeros(self.batch_size, frames, self.decoder.config.num_quantizers, dtype=torch.long, device=self.device)
+        graph = CUDAGraphed(lambda: self.decoder(codes_in, self.state)[:, 0].float(), self.use_cuda_graphs)
+        if graph.enabled:
+            saved = self.state.snapshot()
+            graph.capture()
+            self.state.restore(saved)
+        self.graphs[frames] = (graph, codes_in)
+        return self.graphs[frames]
+
+    @torch.inference_mode()
+    def reset_row(self, row: int, primed: list[torch.Tensor] | None = None) -> None:
+        """Start a new stream in `row`: from scratch, or from a one-row state (`primed_state`)."""
+        if primed is not None:
+            self.state.restore_row(row, primed)
+            return
+        rows = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+        rows[row] = True
+        self.state.reset_rows(rows)
+
+    @torch.inference_mode()
+    def primed_state(self, codes: torch.Tensor) -> list[torch.Tensor]:
+        """The one-row state of a stream that has decoded `codes` [frames, 16] without emitting them
+        (e.g. a voice's reference codes): computed once per voice, restored into any row."""
+        stream = StreamingDecoder(self.decoder)
+        stream.prime(codes)
+        return stream.state.snapshot()

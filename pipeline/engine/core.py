@@ -1,0 +1,520 @@
+"""The engine core: one scheduler loop per loaded model over a batch of rows (vLLM's engine core
+has this shape: admit, one batched step, hand out results).
+
+Each loop iteration: apply commands (cancel, more text), admit waiting requests into free rows
+(FIFO; their prefill runs between two frames), launch one decode step for every row and the
+vocoder for the frames it made, then hand out the previous iteration's frames while the GPU works
+on this one. Generation and vocoding run on two CUDA streams: the vocoder of frame k overlaps the
+decode step of frame k+1. Results come back through pinned host buffers, double-buffered.
+
+Callers `submit` a `Job` and get a `Handle`: an iterator of `Chunk`s. Closing it (Stop, the
+browser leaving) frees the row before the next frame.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pipeline.codec import BatchStreamingDecoder
+from pipeline.engine.decoder import BatchDecoder
+from pipeline.engine.sampling import SamplingConfig
+from pipeline.errors import EngineBusy
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SCHEDULE = (1, 2, 4, 8, 16)  # frames per chunk; the last size repeats
+SAMPLE_RATE = 24000
+CLOSE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Chunk:
+    """One piece of streamed audio and where its time went."""
+
+    index: int
+    audio: np.ndarray  # float32 [samples] at 24 kHz
+    frames: int
+    generate_ms: float  # GPU time of the decode steps of this chunk's frames (the first chunk adds the prefill)
+    vocode_ms: float  # GPU time of the vocoder for them
+    elapsed_ms: float  # since the request was submitted, when this chunk was ready; chunk 0's is the TTFA
+    audio_seconds: float  # audio streamed so far, this chunk included
+    sample_rate: int = SAMPLE_RATE
+
+    @property
+    def rtf(self) -> float:
+        """Running real-time factor: wall time so far over audio so far (below 1 is faster than real time)."""
+        return self.elapsed_ms / 1000.0 / self.audio_seconds if self.audio_seconds else float("inf")
+
+
+@dataclass
+class Queued:
+    """The request waits for a free row; `ahead` requests are before it."""
+
+    ahead: int
+
+
+@dataclass
+class Segment:
+    """One prefill and the text fed while it speaks; long texts are several segments in one voice."""
+
+    prompt: torch.Tensor  # [1, L, hidden]
+    trailing: torch.Tensor  # [T, hidden], T >= 1
+    text_end: bool = True  # False: more text arrives through Handle.append_text
+
+
+@dataclass
+class Job:
+    segments: list[Segment]
+    sampling: SamplingConfig
+    seed: int
+    max_frames: int
+    schedule: tuple[int, ...] = DEFAULT_SCHEDULE
+    vocoder_state: list[torch.Tensor] | None = None  # the vocoder primed with reference codes (voice clone)
+    ready: "torch.cuda.Event | None" = None  # recorded after the caller made the tensors above
+
+
+def chunk_sizes(schedule: Sequence[int]) -> Iterator[int]:
+    if not schedule or any(int(n) < 1 for n in schedule):
+        raise ValueError(f"A chunk schedule is a list of positive frame counts, got {list(schedule)}.")
+    return itertools.chain(schedule, itertools.repeat(schedule[-1]))
+
+
+class Handle:
+    """A submitted request: iterate for `Chunk`s, `close()` to cancel. `events()` also yields
+    `Queued` records while the request waits for a row."""
+
+    def __init__(self, engine: "Engine", job: Job):
+        self.engine, self.job = engine, job
+        self.submitted = time.perf_counter()
+        self.warnings: list[str] = []
+        self.stopped = False  # closed by the caller before the end
+        self._items: queue.Queue = queue.Queue()
+        self._code_blocks: list[np.ndarray] = []
+        self._closed = threading.Event()
+        self._released = threading.Event()  # the engine holds nothing of this request any more
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """int64 [frames, 16]: every frame generated so far (all of them once iteration has ended)."""
+        if not self._code_blocks:
+            return torch.zeros(0, 16, dtype=torch.long)
+        return torch.from_numpy(np.concatenate(self._code_blocks))
+
+    def events(self) -> Iterator[Chunk | Queued]:
+        try:
+            while True:
+                item = self._items.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.close()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return (item for item in self.events() if isinstance(item, Chunk))
+
+    def append_text(self, embeds: torch.Tensor, end: bool) -> None:
+        """More conditioning text [n, hidden] for the last segment (talker input for the frames to come)."""
+        self.engine.append_text(self, embeds, end)
+
+    def close(self) -> None:
+        """Cancel (if still running) and wait until the engine has let go of the request."""
+        if not self._closed.is_set():
+            self.stopped = not self._released.is_set()
+            self._closed.set()
+            self.engine.cancel(self)
+        if threading.current_thread() is not self.engine.thread:
+            self._released.wait(CLOSE_TIMEOUT_S)
+
+    # engine side
+    def _put(self, item) -> None:
+        self._items.put(item)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if error is not None:
+            self._items.put(error)
+        self._items.put(None)
+        self._released.set()
+
+
+class _Timer:
+    """GPU time between two points of a stream (CUDA events), or host time on CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.begin = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.end = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.t0 = self.t1 = 0.0
+
+    def start(self) -> None:
+        self.begin.record() if self.cuda else setattr(self, "t0", time.perf_counter())
+
+    def stop(self) -> None:
+        self.end.record() if self.cuda else setattr(self, "t1", time.perf_counter())
+
+    def ms(self) -> float:
+        """After `end` has completed."""
+        return self.begin.elapsed_time(self.end) if self.cuda else (self.t1 - self.t0) * 1000.0
+
+
+@dataclass
+class _Row:
+    """The engine's bookkeeping of one occupied row."""
+
+    handle: Handle
+    sizes: Iterator[int]
+    segment: int = 0
+    frames: int = 0  # in this segment
+    budget: int = 0  # frames this segment may make
+    total: int = 0  # frames over all segments
+    next_size: int = 0
+    audio: list[np.ndarray] = field(default_factory=list)
+    codes: list[np.ndarray] = field(default_factory=list)
+    generate_ms: float = 0.0
+    vocode_ms: float = 0.0
+    chunk_index: int = 0
+    samples: int = 0
+    prefill_timer: _Timer | None = None  # read with the segment's first frame
+
+
+@dataclass
+class _Launch:
+    slot: int
+    owners: list[_Row | None]
+
+
+_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_engines() -> None:
+    # An engine thread still inside a kernel launch when the interpreter finalizes aborts the process.
+    for engine in list(_ENGINES):
+        engine.shutdown(timeout=2.0)
+
+
+class Engine:
+    """Owns a model's decode state (BatchDecoder), its batched vocoder, two CUDA streams and the scheduler thread."""
+
+    def __init__(self, decoder: BatchDecoder, vocoder: BatchStreamingDecoder, samples_per_frame: int, max_queue: int = 64, prefills_per_frame: int = 4):
+        self.decoder, self.vocoder = decoder, vocoder
+        self.rows = decoder.rows
+        self.samples_per_frame = samples_per_frame
+        self.max_queue, self.prefills_per_frame = max_queue, prefills_per_frame
+        self.device = decoder.codes.device
+        self.cuda = self.device.type == "cuda"
+        self.gen_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.voc_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.slots: list[_Row | None] = [None] * self.rows
+        self.waiting: deque[Handle] = deque()
+        self.commands: deque = deque()
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.thread: threading.Thread | None = None
+        self.closing = False
+        self.iteration = 0
+        self._allocate_buffers()
+        _ENGINES.add(self)
+
+    def _allocate_buffers(self) -> None:
+        rows, pin = self.rows, self.cuda
+        self.voc_codes = [torch.zeros(rows, 1, 16, dtype=torch.long, device=self.device) for _ in range(2)]
+        self.voc_mask = [torch.zeros(rows, dtype=torch.bool, device=self.device) for _ in range(2)]
+        self.host_codes = [torch.zeros(rows, 16, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.host_produced = [torch.zeros(rows, dtype=torch.bool, pin_memory=pin) for _ in range(2)]
+        self.host_token = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.host_audio = [torch.zeros(rows, self.samples_per_frame, pin_memory=pin) for _ in range(2)]
+        self.gen_timer = [_Timer(self.cuda) for _ in range(2)]
+        self.voc_timer = [_Timer(self.cuda) for _ in range(2)]
+        self.voc_done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.gen_done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+
+    # ---- the caller's side ---------------------------------------------------------------------
+
+    def submit(self, job: Job) -> Handle:
+        """Queue `job` (FIFO); raises EngineBusy when the queue is full. The tensors in `job` must be
+        made on the calling thread's current stream, before this call."""
+        if self.cuda:
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        handle = Handle(self, job)
+        with self.lock:
+            if len(self.waiting) >= self.max_queue:
+                raise EngineBusy(f"The server is busy: {len(self.waiting)} requests ahead; try again shortly.")
+            self.waiting.append(handle)
+            if len(self.waiting) > 1 or all(self.slots):
+                handle._put(Queued(len(self.waiting) - 1))
+            self._ensure_thread()
+            self.wake.notify()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        with self.lock:
+            if handle in self.waiting:
+                self.waiting.remove(handle)
+                handle._finish()
+                self._announce_positions()
+                return
+            self.commands.append(("cancel", handle, None))
+            self.wake.notify()
+
+    def append_text(self, handle: Handle, embeds: torch.Tensor, end: bool) -> None:
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        with self.lock:
+            if handle in self.waiting:  # not started: the text joins its last segment
+                segment = handle.job.segments[-1]
+                segment.trailing = torch.cat([segment.trailing, embeds])
+                segment.text_end = end
+                return
+            self.commands.append(("text", handle, (embeds, end, ready)))
+            self.wake.notify()
+
+    def queue_length(self) -> int:
+        with self.lock:
+            return len(self.waiting)
+
+    def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the loop after its current frame; requests still in flight end with an error."""
+        with self.lock:
+            self.closing = True
+            self.wake.notify()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+    def _ensure_thread(self) -> None:
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
+            self.thread.start()
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _stream(self, stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _run(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        with torch.inference_mode():
+            inflight: _Launch | None = None
+            while not self.closing:
+                try:
+                    admitted = self._next_work(inflight is not None)
+                    if self.closing:
+                        break
+                    for handle in admitted:
+                        self._admit(handle)
+                    launch = self._launch() if any(self.slots) else None
+                    if inflight is not None:
+                        self._collect(inflight)
+                    inflight = launch
+                except Exception as exc:  # a broken step: fail the requests in flight, keep serving
+                    log.exception("engine step failed")
+                    inflight = None
+                    self._fail_all(exc)
+            self._fail_all(RuntimeError("The speech engine shut down."))
+            with self.lock:
+                for handle in self.waiting:
+                    handle._finish(RuntimeError("The speech engine shut down."))
+                self.waiting.clear()
+
+    def _next_work(self, busy: bool) -> list[Handle]:
+        """Apply commands; take waiting requests into free rows (all of them while idle, a few
+        between frames so that the running rows are not stalled). Blocks while there is nothing to do."""
+        with self.lock:
+            while True:
+                self._apply_commands()
+                free = [row for row, state in enumerate(self.slots) if state is None]
+                running = any(self.slots)
+                limit = len(free) if not running else min(len(free), self.prefills_per_frame)
+                admitted = [self.waiting.popleft() for _ in range(min(limit, len(self.waiting)))]
+                if admitted:
+                    self._announce_positions()
+                if admitted or running or busy or self.closing:
+                    break
+                self.wake.wait()
+        for handle, row in zip(admitted, free):
+            self.slots[row] = _Row(handle, chunk_sizes(handle.job.schedule))
+        return admitted
+
+    def _announce_positions(self) -> None:
+        for ahead, handle in enumerate(self.waiting):
+            handle._put(Queued(ahead))
+
+    def _apply_commands(self) -> None:
+        while self.commands:
+            kind, handle, payload = self.commands.popleft()
+            row = self._row_of(handle)
+            if row is None:
+                if kind == "cancel":
+                    handle._released.set()
+                continue
+            if kind == "cancel":
+                with self._stream(self.gen_stream):
+                    self.decoder.stop(row)
+                self.slots[row] = None
+                handle._finish()
+            else:
+                embeds, end, ready = payload
+                with self._stream(self.gen_stream):
+                    if ready is not None:
+                        self.gen_stream.wait_event(ready)
+                        embeds.record_stream(self.gen_stream)
+                    self.decoder.append_text(row, embeds, end)
+
+    def _row_of(self, handle: Handle) -> int | None:
+        return next((row for row, state in enumerate(self.slots) if state is not None and state.handle is handle), None)
+
+    def _admit(self, handle: Handle) -> None:
+        row = self._row_of(handle)
+        state = self.slots[row]
+        job = handle.job
+        try:
+            with self._stream(self.voc_stream):
+                if job.ready is not None:
+                    self.voc_stream.wait_event(job.ready)
+                self.vocoder.reset_row(row, job.vocoder_state)
+            self._start_segment(row, state)
+        except Exception as exc:
+            self.slots[row] = None
+            handle._finish(exc)
+
+    def _start_segment(self, row: int, state: _Row) -> None:
+        job = state.handle.job
+        segment = job.segments[state.segment]
+        remaining = job.max_frames - state.total
+        state.budget = min(remaining, self.decoder.max_frames(segment.prompt.shape[1]))
+        state.frames = 0
+        timer = _Timer(self.cuda)
+        with self._stream(self.gen_stream):
+            if job.ready is not None:
+                self.gen_stream.wait_event(job.ready)
+                for t in (segment.prompt, segment.trailing):
+                    t.record_stream(self.gen_stream)  # made on the caller's stream, read on this one
+            timer.start()
+            self.decoder.start(row, segment.prompt, segment.trailing, segment.text_end, job.sampling, job.seed + state.segment, state.budget)
+            timer.stop()
+        state.prefill_timer = timer
+
+    def _launch(self) -> _Launch:
+        slot = self.iteration % 2
+        self.iteration += 1
+        with self._stream(self.gen_stream):
+            if self.voc_done[slot] is not None:
+                self.gen_stream.wait_event(self.voc_done[slot])  # the vocoder is done with this slot's inputs
+            self.gen_timer[slot].start()
+            produced, codes, token = self.decoder.step()
+            self.gen_timer[slot].stop()
+            self.voc_codes[slot].copy_(codes[:, None])
+            self.voc_mask[slot].copy_(produced)
+            self.host_codes[slot].copy_(codes, non_blocking=True)
+            self.host_produced[slot].copy_(produced, non_blocking=True)
+            self.host_token[slot].copy_(token, non_blocking=True)
+            if self.cuda:
+                self.gen_done[slot].record()
+        with self._stream(self.voc_stream):
+            if self.cuda:
+                self.voc_stream.wait_event(self.gen_done[slot])
+            self.voc_timer[slot].start()
+            audio = self.vocoder.decode_frames(self.voc_codes[slot], self.voc_mask[slot])
+            self.voc_timer[slot].stop()
+            self.host_audio[slot].copy_(audio, non_blocking=True)
+            if self.cuda:
+                self.voc_done[slot].record()
+        return _Launch(slot, list(self.slots))
+
+    def _collect(self, launch: _Launch) -> None:
+        slot = launch.slot
+        if self.cuda:
+            self.voc_done[slot].synchronize()  # releases the GIL while the GPU works
+        produced = self.host_produced[slot].numpy()
+        tokens = self.host_token[slot].numpy()
+        codes = self.host_codes[slot].numpy()
+        audio = self.host_audio[slot].numpy()
+        step_ms, vocode_ms = self.gen_timer[slot].ms(), self.voc_timer[slot].ms()
+        for row, state in enumerate(launch.owners):
+            if state is None or state.handle.closed or self.slots[row] is not state or not produced[row]:
+                continue
+            self._add_frame(state, codes[row].copy(), audio[row].copy(), step_ms, vocode_ms)
+            if tokens[row] == self.decoder.eos_id or state.frames >= state.budget:
+                self._end_segment(row, state, tokens[row] == self.decoder.eos_id)
+
+    def _add_frame(self, state: _Row, codes: np.ndarray, audio: np.ndarray, step_ms: float, vocode_ms: float) -> None:
+        if state.prefill_timer is not None:
+            state.generate_ms += state.prefill_timer.ms()
+            state.prefill_timer = None
+        state.frames += 1
+        state.total += 1
+        state.codes.append(codes)
+        state.audio.append(audio)
+        state.generate_ms += step_ms
+        state.vocode_ms += vocode_ms
+        if not state.next_size:
+            state.next_size = next(state.sizes)
+        if len(state.audio) >= state.next_size:
+            self._emit(state)
+
+    def _emit(self, state: _Row) -> None:
+        if not state.audio:
+            return
+        audio = np.concatenate(state.audio)
+        state.samples += audio.size
+        handle = state.handle
+        handle._code_blocks.append(np.stack(state.codes))
+        elapsed = (time.perf_counter() - handle.submitted) * 1000.0
+        handle._put(Chunk(state.chunk_index, audio, len(state.audio), state.generate_ms, state.vocode_ms, elapsed, state.samples / SAMPLE_RATE))
+        state.chunk_index += 1
+        state.audio, state.codes = [], []
+        state.generate_ms = state.vocode_ms = 0.0
+        state.next_size = next(state.sizes)
+
+    def _end_segment(self, row: int, state: _Row, by_eos: bool) -> None:
+        job = state.handle.job
+        last = state.segment + 1 >= len(job.segments) or state.total >= job.max_frames
+        if not by_eos and state.total < job.max_frames:
+            state.handle.warnings.append(
+                f"Segment {state.segment + 1} of {len(job.segments)} reached the {state.budget}-frame limit of one segment "
+                f"({state.budget / 12.5:.0f} s) and was cut there; shorter sentences avoid this."
+            )
+        if not last:
+            state.segment += 1
+            try:
+                self._start_segment(row, state)
+                return
+            except Exception as exc:
+                self._emit(state)
+                self._release(row, state, exc)
+                return
+        self._emit(state)
+        self._release(row, state)
+
+    def _release(self, row: int, state: _Row, error: BaseException | None = None) -> None:
+        with self._stream(self.gen_stream):
+            self.decoder.stop(row)
+        self.slots[row] = None
+        state.handle._finish(error)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for row, state in enumerate(self.slots):
+            if state is not None:
+                self._release(row, state, exc)

@@ -1,0 +1,222 @@
+"""The batched decode step: static per-row state for up to `rows` utterances, one frame per call.
+
+A row is one utterance in flight (moshi's LMGen keeps such per-stream state; here it is a row of
+every buffer). `step()` advances every row that can run - occupied, not ended, under its frame
+limit, and with its next text available - and leaves every other row's state untouched, so rows
+join (`start`), wait for text (`append_text`) and leave (`stop`) between frames. The step reads
+only static buffers (no `.item()`, no branch on tensor values), so on CUDA one graph captures a
+whole frame for the whole batch: the 15 code-predictor steps with their sampling, the next talker
+input, the talker step and the sampling of the next codebook-0 token.
+
+Batch invariance: every shape in the step is fixed (all `rows` rows, the whole cache), so the same
+kernels run whatever the occupancy, and a row's numbers depend only on its own inputs. Kernels
+chosen per batch size (cuBLAS picks GEMM algorithms by M, reductions pick their thread layout by
+the number of rows) would make a row's codes depend on how many neighbours it has.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from pipeline.graphs import CUDAGraphed
+from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
+from pipeline.model import Talker
+
+MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two codebook-0 tokens
+PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompts are zero-padded to one of these lengths
+
+
+class BatchDecoder:
+    def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False):
+        config = talker.config
+        weight = talker.codec_head.weight
+        device, dtype = weight.device, weight.dtype
+        self.talker, self.rows, self.max_seq = talker, rows, max_seq
+        talker.model.setup_caches(rows, max_seq)
+        talker.code_predictor.model.setup_caches(rows, config.num_code_groups)
+        self.vocab = config.vocab_size
+        self.sub_vocab = config.code_predictor_config.vocab_size
+        self.sub_steps = config.num_code_groups - 1
+        self.draws_per_frame = self.vocab + self.sub_steps * self.sub_vocab
+        self.eos_id = config.codec_eos_token_id
+        self.suppressed = torch.zeros(self.vocab, dtype=torch.bool, device=device)
+        self.suppressed[self.vocab - 1024 :] = True
+        self.suppressed[self.eos_id] = False
+        self.tts_pad = tts_pad.to(device=device, dtype=dtype)
+        self.all_rows = torch.arange(rows, device=device)
+        self.cp_pos = torch.arange(config.num_code_groups, device=device).expand(rows, -1)
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        # Per-row state.
+        self.active = zeros(rows, dtype=torch.bool)  # occupied and not cancelled
+        self.hidden = zeros(rows, config.hidden_size, dtype=dtype)  # talker output of the last position
+        self.token = zeros(rows)  # codebook 0 of the next frame
+        self.pos = zeros(rows)  # next talker position
+        self.frame = zeros(rows)  # frames produced so far
+        self.max_frame = zeros(rows)
+        self.seen = zeros(rows, self.vocab, dtype=torch.bool)  # codebook-0 ids so far (repetition penalty)
+        self.seed_hash = zeros(rows)
+        self.trailing = zeros(rows, max_seq, config.hidden_size, dtype=dtype)  # text fed with frame k
+        self.text_len = zeros(rows)
+        self.text_len_host = [0] * rows  # the same, known without a device sync
+        self.text_end = zeros(rows, dtype=torch.bool)  # no more text will come: pad after text_len
+        self.penalty = torch.ones(rows, device=device)
+        self.talker_sampling = RowSampling.zeros(rows, device)
+        self.sub_sampling = RowSampling.zeros(rows, device)
+        # Step outputs.
+        self.codes = zeros(rows, config.num_code_groups)
+        self.produced = zeros(rows, dtype=torch.bool)
+
+        self.talker_decode = talker.model.decode
+        self.predictor_decode = talker.code_predictor.model.decode
+        self.sample, self.noise = sample_rows, exponential_noise
+        if compiled:
+            # Every model in the process adds entries to dynamo's cache; the default limit of 8 would stop the third.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            options = dict(fullgraph=True, dynamic=False)
+            self.talker_decode = torch.compile(self.talker_decode, **options)
+            self.predictor_decode = torch.compile(self.predictor_decode, **options)
+            self.sample, self.noise = torch.compile(sample_rows, **options), torch.compile(exponential_noise, **options)
+        self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
+        self.step_graph = CUDAGraphed(self._step, self.use_cuda_graphs)
+        self.buckets = sorted({min(b, max_seq) for b in PREFILL_BUCKETS})
+        self.prefill_row = zeros(1)
+        self.prefill_in = {b: zeros(1, b, config.hidden_size, dtype=dtype) for b in self.buckets}
+        self.prefill_graphs = {b: CUDAGraphed(partial(self._prefill_bucket, b), self.use_cuda_graphs) for b in self.buckets}
+
+    # ---- rows joining, waiting and leaving ---------------------------------------------------
+
+    def max_frames(self, prompt_length: int) -> int:
+        """Frames a row can hold after a prompt of this length (its cache is `max_seq` positions)."""
+        return self.max_seq - prompt_length - 1
+
+    @torch.inference_mode()
+    def start(self, row: int, prompt: torch.Tensor, trailing: torch.Tensor, text_end: bool, sampling: SamplingConfig, seed: int, max_frames: int) -> None:
+        """Prefill `prompt` [1, L, hidden] into `row` and sample its first codebook-0 token.
+
+        `trailing` [T, hidden]: the text fed alongside frames 0..T-1; after it, tts_pad once
+        `text_end`, or the row waits for `append_text`."""
+        length = prompt.shape[1]
+        if not 1 <= max_frames <= self.max_frames(length):
+            raise ValueError(f"A prompt of {length} positions leaves room for 1..{self.max_frames(length)} frames, not {max_frames}.")
+        self._set_sampling(row, sampling)
+        self.seed_hash[row] = mix32(torch.tensor(seed & M32))
+        self.seen[row] = False
+        self.frame[row] = 0
+        self.pos[row] = length
+        self.max_frame[row] = max_frames
+        self.text_len_host[row] = 0
+        self.append_text(row, trailing, text_end)
+        hidden = self._prefill(row, prompt)
+        self.hidden[row] = hidden
+        rows = slice(row, row + 1)
+        token = self._next_token(self.talker.codec_head(hidden[None]), rows, self.frame[rows])
+        self.token[row] = token[0]
+        self.active[row] = True
+
+    def append_text(self, row: int, embeds: torch.Tensor, end: bool) -> None:
+        """More text for `row` (embeds [n, hidden]); `end`: nothing follows, pad after it."""
+        start = self.text_len_host[row]
+        if start + len(embeds) > self.max_seq:
+            raise ValueError(f"A row holds at most {self.max_seq} text positions.")
+        self.trailing[row, start : start + len(embeds)] = embeds
+        self.text_len_host[row] = start + len(embeds)
+        self.text_len[row] = start + len(embeds)
+        self.text_end[row] = end
+
+    def stop(self, row: int) -> None:
+        self.active[row] = False
+
+    def _set_sampling(self, row: int, s: SamplingConfig) -> None:
+        self.penalty[row] = s.repetition_penalty
+        self.talker_sampling.set_row(row, s.do_sample, s.temperature, s.top_k, s.top_p)
+        self.sub_sampling.set_row(row, s.subtalker_dosample, s.subtalker_temperature, s.subtalker_top_k, s.subtalker_top_p)
+
+    # ---- prefill ---------------------------------------------------------------------------
+
+    def _prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
+        """The talker over the prompt, written into cache row `row`; returns the last position's hidden state.
+
+        Zero-padded to a bucket length on every device (so eager and graphed prefill run the same
+        kernels): causal attention keeps the padding out of the real positions, and the cache slots
+        it fills are rewritten by the decode steps before any query can see them."""
+        length = prompt.shape[1]
+        bucket = next(b for b in self.buckets if length <= b)
+        inputs = self.prefill_in[bucket]
+        inputs.zero_()
+        inputs[:, :length] = prompt
+        self.prefill_row.fill_(row)
+        return self.prefill_graphs[bucket]()[0, length - 1]
+
+    def _prefill_bucket(self, bucket: int) -> torch.Tensor:
+        return self.talker.model.prefill(self.prefill_in[bucket], self.prefill_row)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture the decode step and every prefill bucket now (at load, every row idle), not in a user's time to first audio."""
+        if not self.use_cuda_graphs:
+            return
+        self.step_graph.capture()
+        for graph in self.prefill_graphs.values():
+            graph.capture()
+
+    # ---- the decode step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One frame for every row that can run. Returns static buffers (copy to keep):
+        produced [rows] (which rows made a frame), codes [rows, 16], and the next codebook-0 token [rows]."""
+        self.step_graph()
+        return self.produced, self.codes, self.token
+
+    def _next_token(self, logits: torch.Tensor, rows: slice, frame: torch.Tensor) -> torch.Tensor:
+        """Codebook-0 logits [n, V] of the rows `rows` at frame `frame` [n] -> tokens [n], with the reference's logit processors."""
+        logits = logits.float()
+        penalty = self.penalty[rows][:, None]
+        seen = self.seen[rows]
+        logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+        logits = logits.masked_fill(self.suppressed, float("-inf"))
+        logits[:, self.eos_id] = torch.where(frame < MIN_NEW_TOKENS, float("-inf"), logits[:, self.eos_id])
+        noise = self.noise(self.seed_hash[rows], frame * self.draws_per_frame, self.vocab)
+        token = self.sample(logits, self.talker_sampling.select(rows), noise)
+        seen.scatter_(1, token[:, None], True)  # a view of self.seen: only these rows change
+        return token
+
+    def _predict_codebooks(self) -> torch.Tensor:
+        """Codebooks 1..15 of every row's current frame; returns all 16 codes [rows, 16]."""
+        predictor = self.talker.code_predictor
+        project = predictor.small_to_mtp_projection
+        noise = self.noise(self.seed_hash, self.frame * self.draws_per_frame + self.vocab, self.sub_steps * self.sub_vocab)
+        noise = noise.view(self.rows, self.sub_steps, self.sub_vocab)
+        embeds = torch.stack((self.hidden, self.talker.model.codec_embedding(self.token)), dim=1)
+        codes = [self.token]
+        for head in range(self.sub_steps):
+            if head:
+                embeds = predictor.model.codec_embedding[head - 1](codes[-1])[:, None]
+            start = 0 if head == 0 else head + 1
+            positions = self.cp_pos[:, start : head + 2]
+            hidden = self.predictor_decode(project(embeds), positions)[:, -1]
+            codes.append(self.sample(predictor.logits(hidden, head).float(), self.sub_sampling, noise[:, head]))
+        return torch.stack(codes, dim=1)
+
+    def _step(self) -> None:
+        run = self.active & (self.token != self.eos_id) & (self.frame < self.max_frame) & ((self.frame < self.text_len) | self.text_end)
+        codes = self._predict_codebooks()
+        has_text = self.frame < self.text_len
+        text = self.trailing[self.all_rows, self.frame.clamp(max=self.max_seq - 1)]
+        embeds = self.talker.embed_codes(codes) + torch.where(has_text[:, None], text, self.tts_pad)
+        hidden = self.talker_decode(embeds[:, None], self.pos[:, None])[:, -1]
+        before = self.seen.clone()
+        token = self._next_token(self.talker.codec_head(hidden), slice(None), self.frame + 1)
+        # Commit only the rows that ran; the others keep their state exactly (their cache slot at
+        # `pos` was written, but it is rewritten before any of their queries can read it).
+        self.seen.copy_(torch.where(run[:, None], self.seen, before))
+        self.hidden.copy_(torch.where(run[:, None], hidden, self.hidden))
+        self.token.copy_(torch.where(run, token, self.token))
+        self.pos.add_(run.long())
+        self.frame.add_(run.long())
+        self.codes.copy_(codes)
+        self.produced.copy_(run)

@@ -1,0 +1,49 @@
+"""The one helper for CUDA-graph capture, used by every graphed call site (decode step, prefill, vocoder)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class CUDAGraphed:
+    """`fn()` over static buffers: eager where graphs are off, else captured on the first call
+    (after warm-up runs on a side stream, as capture requires) and replayed from then on.
+
+    `fn` takes no arguments: it reads and writes tensors that live as long as this object, so a
+    replay sees whatever the caller copied into them. Its return value (tensors, possibly nested
+    in tuples) is static too: the next call overwrites it. Warm-up runs execute `fn` for real, so
+    callers capture while its writes are harmless (e.g. every row of the batch inactive).
+    """
+
+    def __init__(self, fn: Callable[[], Any], enabled: bool, warmup: int = 2):
+        self.fn, self.enabled, self.warmup = fn, enabled, warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.stream: torch.cuda.Stream | None = None
+        self.output: Any = None
+
+    def __call__(self) -> Any:
+        if not self.enabled:
+            return self.fn()
+        if self.graph is None:
+            self.capture()
+        self.graph.replay()
+        return self.output
+
+    def capture(self) -> None:
+        # Warm-up and capture on a stream of this graph's own. cuBLAS keeps one workspace per
+        # stream, and a graph replays the workspace of the stream it was captured on: graphs
+        # captured on torch's shared default capture stream share one workspace, and two of them
+        # replayed at once on two streams (the decode step and the vocoder) race in it. That race
+        # made the same seed give different codes from run to run.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self.fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            self.output = self.fn()
+        self.graph, self.stream = graph, stream  # the stream (and its workspace) lives as long as the graph
