@@ -11,14 +11,15 @@ class CUDAGraphed:
     """`fn()` over static buffers: eager where graphs are off, else captured on the first call
     (after warm-up runs on a side stream, as capture requires) and replayed from then on.
 
+    `priority` (lower is more urgent, as CUDA's) is given to the graph's kernels.
     `fn` takes no arguments: it reads and writes tensors that live as long as this object, so a
     replay sees whatever the caller copied into them. Its return value (tensors, possibly nested
     in tuples) is static too: the next call overwrites it. Warm-up runs execute `fn` for real, so
     callers capture while its writes are harmless (e.g. every row of the batch inactive).
     """
 
-    def __init__(self, fn: Callable[[], Any], enabled: bool, warmup: int = 2):
-        self.fn, self.enabled, self.warmup = fn, enabled, warmup
+    def __init__(self, fn: Callable[[], Any], enabled: bool, warmup: int = 2, priority: int = 0):
+        self.fn, self.enabled, self.warmup, self.priority = fn, enabled, warmup, priority
         self.graph: torch.cuda.CUDAGraph | None = None
         self.stream: torch.cuda.Stream | None = None
         self.output: Any = None
@@ -37,7 +38,8 @@ class CUDAGraphed:
         # captured on torch's shared default capture stream share one workspace, and two of them
         # replayed at once on two streams (the decode step and the vocoder) race in it. That race
         # made the same seed give different codes from run to run.
-        stream = torch.cuda.Stream()
+        # The graph's kernels keep the priority of the stream they were captured on.
+        stream = torch.cuda.Stream(priority=self.priority)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):

@@ -77,10 +77,7 @@ class TTS:
             tts_pad = model.talker.embed_text(torch.tensor([[self.config.tts_pad_token_id]], device=self.device))[0, 0]
             decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled)
             vocoder = speech_tokenizer.batch_stream_decoder(self.rows, use_cuda_graphs)
-            # Capture now, every row idle: a capture's warm-up runs would advance live rows.
-            decoder.capture()
-            vocoder.capture()
-        self.engine = Engine(decoder, vocoder, SAMPLES_PER_FRAME, max_queue=max_queue)
+            self.engine = Engine(decoder, vocoder, SAMPLES_PER_FRAME, max_queue=max_queue)
 
     @classmethod
     def from_pretrained(cls, source: str, device: str = "cpu", dtype: str = "float32", **options) -> "TTS":

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pipeline.codec import BatchStreamingDecoder
-from pipeline.engine.decoder import BatchDecoder
+from pipeline.engine.decoder import GENERATION_PRIORITY, BatchDecoder
 from pipeline.engine.sampling import SamplingConfig
 from pipeline.errors import EngineBusy
 
@@ -221,7 +221,7 @@ class Engine:
         self.max_queue, self.prefills_per_frame = max_queue, prefills_per_frame
         self.device = decoder.codes.device
         self.cuda = self.device.type == "cuda"
-        self.gen_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.gen_stream = torch.cuda.Stream(self.device, priority=GENERATION_PRIORITY) if self.cuda else None
         self.voc_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.slots: list[_Row | None] = [None] * self.rows
         self.waiting: deque[Handle] = deque()
@@ -232,6 +232,9 @@ class Engine:
         self.closing = False
         self.iteration = 0
         self._allocate_buffers()
+        # Capture now, every row idle: a capture's warm-up runs would advance live rows.
+        decoder.capture()
+        vocoder.capture()
         _ENGINES.add(self)
 
     def _allocate_buffers(self) -> None:
@@ -289,10 +292,6 @@ class Engine:
                 return
             self.commands.append(("text", handle, (embeds, end, ready)))
             self.wake.notify()
-
-    def queue_length(self) -> int:
-        with self.lock:
-            return len(self.waiting)
 
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the loop after its current frame; requests still in flight end with an error."""

@@ -25,6 +25,9 @@ from pipeline.model import Talker
 
 MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two codebook-0 tokens
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompts are zero-padded to one of these lengths
+# The decode step is a chain of ~1,600 small kernels; the vocoder's convolutions fill the GPU. With
+# the step's kernels first in line for free SMs, the two overlap instead of taking turns.
+GENERATION_PRIORITY = -1
 
 
 class BatchDecoder:
@@ -81,11 +84,11 @@ class BatchDecoder:
             self.predictor_decode = torch.compile(self.predictor_decode, **options)
             self.sample, self.noise = torch.compile(sample_rows, **options), torch.compile(exponential_noise, **options)
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        self.step_graph = CUDAGraphed(self._step, self.use_cuda_graphs)
+        self.step_graph = CUDAGraphed(self._step, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
         self.buckets = sorted({min(b, max_seq) for b in PREFILL_BUCKETS})
         self.prefill_row = zeros(1)
         self.prefill_in = {b: zeros(1, b, config.hidden_size, dtype=dtype) for b in self.buckets}
-        self.prefill_graphs = {b: CUDAGraphed(partial(self._prefill_bucket, b), self.use_cuda_graphs) for b in self.buckets}
+        self.prefill_graphs = {b: CUDAGraphed(partial(self._prefill_bucket, b), self.use_cuda_graphs, priority=GENERATION_PRIORITY) for b in self.buckets}
 
     # ---- rows joining, waiting and leaving ---------------------------------------------------
 
