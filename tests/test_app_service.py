@@ -243,3 +243,27 @@ def test_ignored_instruction_warns_and_still_speaks(tiny_checkpoints, tmp_path):
     with pytest.warns(UserWarning, match="ignores instructions"):
         updates = run_handler(demo, "custom_generate", *args)
     assert table_rows(updates)
+
+
+def panel_summaries(items: list) -> list[str]:
+    from pipeline.service import StreamStart
+    from ui.latency import LatencyPanel
+
+    with gr.Blocks():
+        panel = LatencyPanel.create("unit")
+    updates = list(panel.stream(StreamStart(TINY, True), iter(items), "", time.perf_counter(), stop=lambda: None))
+    return [u[panel.summary] for u in updates if panel.summary in u]
+
+
+def test_the_panel_shows_the_queue_position_and_a_stop_before_any_audio_is_a_stop():
+    from pipeline.engine import Queued
+
+    summaries = panel_summaries([Queued(2), Queued(0), StreamEnd(stopped=True)])
+    assert summaries[0] == "Every slot of the model is busy: waiting (2 requests ahead)…"
+    assert summaries[1] == "Every slot of the model is busy: waiting (next in line)…"
+    assert summaries[-1] == "Stopped before the first audio."
+
+
+def test_an_utterance_that_ends_without_audio_is_an_error_not_a_stop():
+    with pytest.raises(gr.Error, match="ended the utterance before producing any audio"):
+        panel_summaries([StreamEnd(stopped=False)])
