@@ -135,6 +135,16 @@ def held_row(tts: TTS, voice):
     return dataclasses.replace(job, segments=[dataclasses.replace(segment, trailing=segment.trailing[:1], text_end=False)])
 
 
+def test_a_row_waiting_for_text_hands_out_what_it_has_made(tiny_checkpoints, reference_wav, models, voices):
+    tts = models["base"]
+    job = dataclasses.replace(held_row(tts, voices["xvec"]), schedule=(4,))
+    handle = tts.engine.submit(job)
+    chunks = iter(handle)
+    first = next(chunks)  # one frame, then the text runs out: a short chunk now, not a full one later
+    assert first.frames == 1
+    handle.close()
+
+
 def test_fifo_admission_queue_limit_and_positions(tiny_checkpoints, reference_wav):
     tts = TTS.from_pretrained(str(tiny_checkpoints["base"]), rows=1, max_queue=2)
     voice = tts.create_voice_prompt(str(reference_wav), x_vector_only=True)

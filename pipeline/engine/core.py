@@ -452,7 +452,11 @@ class Engine:
         audio = self.host_audio[slot].numpy()
         step_ms, vocode_ms = self.gen_timer[slot].ms(), self.voc_timer[slot].ms()
         for row, state in enumerate(launch.owners):
-            if state is None or state.handle.closed or self.slots[row] is not state or not produced[row]:
+            if state is None or state.handle.closed or self.slots[row] is not state:
+                continue
+            if not produced[row]:
+                # Running but no frame: it waits for more text. The listener gets what is made so far.
+                self._emit(state)
                 continue
             self._add_frame(state, codes[row].copy(), audio[row].copy(), step_ms, vocode_ms)
             if tokens[row] == self.decoder.eos_id or state.frames >= state.budget:
