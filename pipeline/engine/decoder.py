@@ -106,7 +106,9 @@ class BatchDecoder:
         if not 1 <= max_frames <= self.max_frames(length):
             raise ValueError(f"A prompt of {length} positions leaves room for 1..{self.max_frames(length)} frames, not {max_frames}.")
         self._set_sampling(row, sampling)
-        self.seed_hash[row] = mix32(torch.tensor(seed & M32))
+        # Hashed on the host and written as a scalar: copying a host tensor in would wait for the
+        # stream to drain (a pageable copy), stalling the running rows behind this admission.
+        self.seed_hash[row] = int(mix32(torch.tensor(seed & M32)))
         self.seen[row] = False
         self.frame[row] = 0
         self.pos[row] = length
