@@ -151,8 +151,8 @@ class Handle:
     def _finish(self, error: BaseException | None = None) -> None:
         if error is not None:
             self._items.put(error)
+        self._released.set()  # before the end marker: a consumer that sees the end must see it released
         self._items.put(None)
-        self._released.set()
 
 
 class _Timer:
@@ -165,10 +165,16 @@ class _Timer:
         self.t0 = self.t1 = 0.0
 
     def start(self) -> None:
-        self.begin.record() if self.cuda else setattr(self, "t0", time.perf_counter())
+        if self.cuda:
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
 
     def stop(self) -> None:
-        self.end.record() if self.cuda else setattr(self, "t1", time.perf_counter())
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
 
     def ms(self) -> float:
         """After `end` has completed."""
