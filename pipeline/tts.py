@@ -2,7 +2,6 @@
 engine, get streamed `Chunk`s (or the whole utterance)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ = 2048  # talker positions per segment: prompt + up to ~2.5 min of audio; long texts are split
 DEFAULT_ROWS = {"cuda": 16, "cpu": 4}  # utterances decoded together (the batch of the decode step)
-OFFLINE_SCHEDULE = (64,)  # frames per chunk when nobody is listening live
+VOCODER_LANES = {"cuda": 2}  # vocoder calls that may run at once (see MultiStreamDecoder); one on the CPU
 SAMPLES_PER_FRAME = 1920
 
 
@@ -76,7 +75,7 @@ class TTS:
         with torch.inference_mode():
             tts_pad = model.talker.embed_text(torch.tensor([[self.config.tts_pad_token_id]], device=self.device))[0, 0]
             decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled)
-            vocoder = speech_tokenizer.batch_stream_decoder(self.rows, use_cuda_graphs)
+            vocoder = speech_tokenizer.multi_stream_decoder(self.rows, use_cuda_graphs, VOCODER_LANES.get(self.device.type, 1))
             self.engine = Engine(decoder, vocoder, SAMPLES_PER_FRAME, max_queue=max_queue)
 
     @classmethod
@@ -237,8 +236,8 @@ class TTS:
 
     def synthesize(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> Synthesis:
         """The whole utterance: the streamed chunks of `submit`, joined."""
-        # The vocoder runs frame by frame whatever the schedule: larger chunks change nothing but overhead.
-        handle = self.submit(dataclasses.replace(request, schedule=OFFLINE_SCHEDULE), voice)
+        # The request's own chunk schedule: the audio is then bit for bit what a listener streams.
+        handle = self.submit(request, voice)
         # Never empty: EOS is masked for the first two frames, and max_frames >= 1.
         audio = np.concatenate([chunk.audio for chunk in handle])
         return Synthesis(audio, self.sample_rate, handle.codes.numpy(), list(dict.fromkeys(handle.warnings)))

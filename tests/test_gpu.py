@@ -72,3 +72,33 @@ def test_streamed_equals_offline(graphed):
     result = graphed.synthesize(request(5))
     offline = graphed.decode(torch.from_numpy(result.codes).cuda())
     assert np.abs(result.audio - offline).max() < 1e-4
+
+
+def test_fused_snake_beta_equals_the_formula():
+    from pipeline.codec.snake import snake_beta
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 96, 5000, device="cuda", generator=g) * 30  # sin of large arguments too
+    alpha_exp = torch.randn(96, 1, device="cuda", generator=g).exp()
+    inv_beta = 1.0 / (torch.randn(96, 1, device="cuda", generator=g).exp() + 1e-9)
+    expected = x + inv_beta * torch.sin(x * alpha_exp).pow(2)
+    strided = torch.randn(2, 5000, 96, device="cuda", generator=g).transpose(1, 2)  # not contiguous
+    for inputs, reference in ((x, expected), (strided, strided + inv_beta * torch.sin(strided * alpha_exp).pow(2))):
+        torch.testing.assert_close(snake_beta(inputs, alpha_exp, inv_beta), reference, rtol=1e-6, atol=1e-5)
+
+
+def test_admission_never_waits_for_the_gpu(graphed):
+    """Starting, feeding and stopping a row launches work and returns: a host-device sync there would
+    hold the engine's loop until the frames in flight are done."""
+    decoder = graphed.engine.decoder
+    job, _ = graphed.prepare(request(1))
+    segment = job.segments[0]
+    row = decoder.rows - 1
+    with torch.inference_mode():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            decoder.start(row, segment.prompt, segment.trailing, False, job.sampling, 3, 50)
+            decoder.append_text(row, segment.trailing, True)
+            decoder.stop(row)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -1,6 +1,6 @@
 """The 12 Hz speech tokenizer: parity with the reference `qwen_tts` package on tiny random
-checkpoints, exactness of the streaming decoders (one stream, and a batch of streams that join,
-pause and leave at different times) against offline decoding, and damaged files."""
+checkpoints, exactness of the streaming decoders (one stream, and many streams that share one decoder
+and join, pause and leave at different times) against offline decoding, and damaged files."""
 import json
 import math
 import shutil
@@ -237,80 +237,108 @@ def test_damaged_file_is_a_checkpoint_error_naming_it(checkpoint, tmp_path, name
     assert str(tmp_path / "speech_tokenizer" / name) in str(e.value)
 
 
-# --- Batched streaming: one decoder call for many streams --------------------------------------------------------
+# --- Many streams sharing one decoder ------------------------------------------------------------------------
 
 ROW_FRAMES = (80, 25, 30)  # row 0 outlasts the 72-frame window
-ROW_STARTS = (0, 3, 6)  # the call at which each row joins
-ROW_PAUSES = ({4, 5, 20}, {7, 8}, {10})  # calls a row skips after joining
+ROW_STARTS = (0, 3, 6)  # the turn at which each row joins
+ROW_PAUSES = ({4, 5, 20}, {7, 8}, {10})  # turns a row skips after joining
 PRIMED_ROW, REF_FRAMES = 2, 10
-CHUNK_SIZES = (1, 1, 2, 1, 3)  # frames per call, in turn
+CHUNK_SIZES = (1, 1, 2, 1, 3, 13, 5)  # frames per call, in turn: 3, 13 and 5 are decoded in pieces
 
 
-def _decode_staggered(batch, rows: list[torch.Tensor], ref_codes: torch.Tensor) -> list[torch.Tensor]:
-    """Each row's audio when the rows join, pause and leave on the schedule above, in one batch.
-    Asserts on every call that the rows left out keep their state bit for bit."""
+def _out(frames: int) -> torch.Tensor:
+    return torch.full((frames * HOP,), float("nan"))  # NaN: a sample the decoder did not write shows
+
+
+def _decode_interleaved(multi, rows: list[torch.Tensor], ref_codes: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's audio when the rows join, pause and leave on the schedule above, taking turns on
+    one decoder. Asserts after every call that the other rows' stored state is bit for bit as it was."""
     g = torch.Generator().manual_seed(12)
     # Every row starts dirty, so a row that joins is fresh only if reset_row made it so.
-    batch.decode_frames(torch.randint(0, 2048, (len(rows), 9, 16), generator=g), torch.ones(len(rows), dtype=torch.bool))
-    primed = batch.primed_state(ref_codes)
-    done, parts, call = [0] * len(rows), [[] for _ in rows], 0
+    for r in range(len(rows)):
+        multi.decode(r, torch.randint(0, 2048, (9, 16), generator=g), _out(9))
+    primed = multi.primed_state(ref_codes)
+    done, parts, turn = [0] * len(rows), [[] for _ in rows], 0
     while any(d < len(codes) for d, codes in zip(done, rows)):
-        n = CHUNK_SIZES[call % len(CHUNK_SIZES)]
+        n = CHUNK_SIZES[turn % len(CHUNK_SIZES)]
         for r in range(len(rows)):
-            if call == ROW_STARTS[r]:
-                batch.reset_row(r, primed if r == PRIMED_ROW else None)
-        active = torch.tensor([ROW_STARTS[r] <= call and call not in ROW_PAUSES[r] and done[r] + n <= len(rows[r])
-                               for r in range(len(rows))])
-        codes = torch.randint(0, 2048, (len(rows), n, 16), generator=g)  # what inactive rows get: ignored
-        for r in active.nonzero()[:, 0].tolist():
-            codes[r] = rows[r][done[r]:done[r] + n]
-        before = batch.state.snapshot()
-        wav = batch.decode_frames(codes, active)
-        after = batch.state.snapshot()
-        assert wav.shape == (len(rows), n * HOP)
-        for r in range(len(rows)):
-            if active[r]:
-                parts[r].append(wav[r].clone())  # clone: with CUDA graphs `wav` is overwritten by the next call
-                done[r] += n
-            else:
-                assert all(torch.equal(b[r], a[r]) for b, a in zip(before, after))
-        call += 1
+            if turn == ROW_STARTS[r]:
+                multi.reset_row(r, primed if r == PRIMED_ROW else None)
+            if ROW_STARTS[r] <= turn and turn not in ROW_PAUSES[r] and done[r] < len(rows[r]):
+                chunk = rows[r][done[r]:done[r] + n]
+                before = [multi.row_state(other) for other in range(len(rows))]
+                out = _out(len(chunk))
+                multi.decode(r, chunk, out)
+                parts[r].append(out)
+                done[r] += len(chunk)
+                for other in set(range(len(rows))) - {r}:
+                    assert all(torch.equal(b, a) for b, a in zip(before[other], multi.row_state(other)))
+        turn += 1
     return [torch.cat(p) for p in parts]
 
 
-def _check_staggered(model: SpeechTokenizer, use_cuda_graphs: bool) -> None:
+def _check_interleaved(model: SpeechTokenizer, use_cuda_graphs: bool) -> None:
     rows = [_codes(n, seed=20 + r) for r, n in enumerate(ROW_FRAMES)]
     ref_codes = _codes(REF_FRAMES, seed=30)
-    wavs = _decode_staggered(model.batch_stream_decoder(len(rows), use_cuda_graphs), rows, ref_codes)
+    # Two lanes: rows 0 and 2 share a working state, row 1 has the other.
+    wavs = _decode_interleaved(model.multi_stream_decoder(len(rows), use_cuda_graphs, lanes=2), rows, ref_codes)
     for r, (codes, wav) in enumerate(zip(rows, wavs)):
         context = ref_codes if r == PRIMED_ROW else codes[:0]
         expected = model.decode(torch.cat([context, codes]))[len(context) * HOP:]
         assert _max_diff(wav, expected) < TOL, f"row {r}"
 
 
-def test_batched_rows_join_pause_and_leave_independently(ours):
-    _check_staggered(ours, use_cuda_graphs=False)
+def test_streams_sharing_one_decoder_join_pause_and_leave_independently(ours):
+    _check_interleaved(ours, use_cuda_graphs=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_batched_rows_with_cuda_graphs(checkpoint):
-    _check_staggered(SpeechTokenizer.from_pretrained(checkpoint, "cuda"), use_cuda_graphs=True)
+def test_streams_sharing_one_decoder_with_cuda_graphs(checkpoint):
+    _check_interleaved(SpeechTokenizer.from_pretrained(checkpoint, "cuda"), use_cuda_graphs=True)
+
+
+def test_a_stream_sounds_the_same_in_any_row_among_any_neighbours(ours):
+    """Bit for bit: same codes and chunk sizes give the same audio, alone or between other streams."""
+    codes, chunks = _codes(40, seed=14), (1, 2, 4, 8, 16, 9)
+    alone = ours.multi_stream_decoder(1)
+    expected = []
+    for chunk in codes.split(chunks):
+        expected.append(_out(len(chunk)))
+        alone.decode(0, chunk, expected[-1])
+    shared, g, got = ours.multi_stream_decoder(3, lanes=2), torch.Generator().manual_seed(15), []
+    for chunk in codes.split(chunks):
+        shared.decode(0, torch.randint(0, 2048, (3, 16), generator=g), _out(3))
+        got.append(_out(len(chunk)))
+        shared.decode(2, chunk, got[-1])
+        shared.decode(1, torch.randint(0, 2048, (len(chunk), 16), generator=g), _out(len(chunk)))
+    assert torch.equal(torch.cat(got), torch.cat(expected))
+
+
+def test_call_pieces_are_a_fixed_split_into_sizes_up_to_16(ours):
+    pieces = ours.multi_stream_decoder(1).pieces
+    assert pieces(1) == [1] and pieces(16) == [16] and pieces(13) == [8, 4, 1] and pieces(64) == [16] * 4
+    assert all(sum(pieces(n)) == n for n in range(1, 100))
 
 
 def test_reset_row_starts_a_fresh_stream_and_leaves_the_others(ours):
-    batch = ours.batch_stream_decoder(2)
+    multi = ours.multi_stream_decoder(2)
     codes = _codes(30, seed=13)
-    batch.decode_frames(torch.stack([codes[:20], codes[10:]]), torch.tensor([True, True]))
-    before = batch.state.snapshot()
-    batch.reset_row(0)
-    after = batch.state.snapshot()
-    assert all(not a[0].any() and torch.equal(a[1], b[1]) for a, b in zip(after, before))
-    only_first = torch.tensor([True, False])
-    wav = torch.cat([batch.decode_frames(torch.stack([chunk, chunk]), only_first)[0] for chunk in codes.split(4)])
-    assert _max_diff(wav, ours.decode(codes)) < TOL
+    multi.decode(0, codes[:20], _out(20))
+    multi.decode(1, codes[10:], _out(20))
+    other = multi.row_state(1)
+    multi.reset_row(0)
+    assert not any(t.any() for t in multi.row_state(0))
+    assert all(torch.equal(a, b) for a, b in zip(other, multi.row_state(1)))
+    parts = []
+    for chunk in codes.split(4):
+        parts.append(_out(len(chunk)))
+        multi.decode(0, chunk, parts[-1])
+    assert _max_diff(torch.cat(parts), ours.decode(codes)) < TOL
 
 
-def test_a_primed_row_needs_a_one_row_snapshot(ours):
-    batch = ours.batch_stream_decoder(2)
-    with pytest.raises(ValueError, match="one-row snapshot"):
-        batch.reset_row(0, batch.state.snapshot())
+def test_a_primed_row_needs_a_one_stream_state(ours):
+    multi = ours.multi_stream_decoder(2)
+    before = multi.row_state(0)
+    with pytest.raises(ValueError, match="one-stream state"):
+        multi.reset_row(0, [t[:, :-1] for t in multi.primed_state(_codes(3, seed=1))])
+    assert all(torch.equal(a, b) for a, b in zip(before, multi.row_state(0)))

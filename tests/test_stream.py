@@ -109,7 +109,7 @@ def test_engine_errors_reach_the_consumer_and_the_engine_keeps_serving(design, m
 
     list(design.submit(calm(max_frames=2, seed=1)))  # the engine's thread is up
     threads = threading.active_count()
-    monkeypatch.setattr(vocoder, "decode_frames", broken)
+    monkeypatch.setattr(vocoder, "decode", broken)
     with pytest.raises(RuntimeError, match="vocoder exploded"):
         list(design.submit(calm(max_frames=5)))
     monkeypatch.undo()

@@ -5,8 +5,8 @@ decoder.py: the decoder and its streaming front ends. encoder.py: the Mimi encod
 loading, encode and decode.
 """
 from pipeline.codec.config import SpeechTokenizerConfig
-from pipeline.codec.decoder import BatchStreamingDecoder, StreamingDecoder
+from pipeline.codec.decoder import MultiStreamDecoder, StreamingDecoder
 from pipeline.codec.streaming import StreamState
 from pipeline.codec.tokenizer import SpeechTokenizer
 
-__all__ = ["BatchStreamingDecoder", "SpeechTokenizer", "SpeechTokenizerConfig", "StreamState", "StreamingDecoder"]
+__all__ = ["MultiStreamDecoder", "SpeechTokenizer", "SpeechTokenizerConfig", "StreamState", "StreamingDecoder"]

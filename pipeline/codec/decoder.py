@@ -3,7 +3,7 @@
 RVQ lookup -> causal conv -> transformer with a 72-frame sliding window -> 2 x (transposed conv +
 ConvNeXt) -> SnakeBeta conv vocoder. Every layer is causal and keeps its context in a
 `StreamState`, so offline decoding, one stream decoded in chunks (`StreamingDecoder`) and many
-streams decoded one call for all (`BatchStreamingDecoder`) are the same code path and agree.
+streams sharing one decoder (`MultiStreamDecoder`) are the same code path and agree.
 
 Parameter names are the official checkpoint's. Derived tensors (codebook table, fused
 projections, SnakeBeta exponentials) are non-persistent buffers rebuilt after loading.
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.codec.config import DecoderConfig
+from pipeline.codec.snake import snake_beta
 from pipeline.codec.streaming import (CausalConv1d, CausalConvTranspose1d, StreamState, exact_float32_convolutions,
                                       rederive_after_load)
 from pipeline.graphs import CUDAGraphed
@@ -38,7 +39,7 @@ class SnakeBeta(nn.Module):
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         # `state` unused: stateless, but callable like its stateful neighbours in a ModuleList.
-        return x + self.inv_beta * torch.sin(x * self.alpha_exp).pow(2)
+        return snake_beta(x, self.alpha_exp, self.inv_beta)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -342,67 +343,120 @@ class StreamingDecoder:
         self.state.reset()
 
 
-class BatchStreamingDecoder:
-    """Up to `batch_size` streams, one per row, decoded by one call: `decode_frames(codes, active)`
-    advances the active rows by n frames and leaves the others' state bit for bit as it was. Rows
-    join (`reset_row`, from scratch or from a `primed_state`), pause and leave independently, and
-    each row's audio over its active calls equals `SpeechTokenizer.decode` of its codes.
+class MultiStreamDecoder:
+    """Many decoding streams, one row of stored state each: `decode(row, codes, out)` loads the
+    row's state into a one-stream working state, decodes n frames and stores the state back.
+    Each row's audio over its calls equals `SpeechTokenizer.decode` of its codes; rows join
+    (`reset_row`, from scratch or from a `primed_state`) and leave independently.
 
-    On CUDA with `use_cuda_graphs`, each n is captured once as a CUDA graph over the state and its
-    advance mask (both updated in place, so the graphs stay valid) and replayed.
+    One stream per call, in pieces of CALL_SIZES frames (a chunk of 13 is 8 + 4 + 1): a stream's
+    audio then depends only on its own codes and chunk sizes, never on its neighbours or on when
+    it was decoded, so the same request gives bit-identical audio alone or among others. (All
+    rows in one call, one frame each, cost as much as one stream's 16-frame call: each row carries
+    its own context through every layer.)
+
+    `lanes` working states (row r uses lane r % lanes), each with its own graphs, can decode at
+    the same time on different CUDA streams: a short call is a chain of ~700 small kernels that
+    leaves most of the GPU idle, so two lanes vocode two first chunks in the time of one.
+
+    On CUDA with `use_cuda_graphs`, each piece size of each lane is one CUDA graph (captured by
+    `capture`), the load and store of the row included, replayed for any row of the lane.
     """
 
-    def __init__(self, decoder: SpeechDecoder, batch_size: int, use_cuda_graphs: bool = False):
-        self.decoder, self.batch_size = decoder, batch_size
+    CALL_SIZES = (16, 8, 4, 2, 1)
+
+    def __init__(self, decoder: SpeechDecoder, streams: int, use_cuda_graphs: bool = False, lanes: int = 1):
+        self.decoder, self.streams, self.lanes = decoder, streams, min(lanes, streams)
         with torch.inference_mode():
-            self.state = StreamState(decoder, batch_size)
-            self.state.set_active(torch.zeros(batch_size, dtype=torch.bool))
+            self.work = [StreamState(decoder, batch_size=1) for _ in range(self.lanes)]
+            self.store = {dtype: torch.zeros(streams, t.shape[1], dtype=dtype, device=t.device) for dtype, t in self.work[0].flat.items()}
+            self.row_in = [torch.zeros(1, dtype=torch.long, device=decoder.device) for _ in range(self.lanes)]
         self.use_cuda_graphs = use_cuda_graphs and decoder.device.type == "cuda"
-        self.graphs: dict[int, tuple[CUDAGraphed, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[CUDAGraphed, torch.Tensor]] = {}
+
+    def lane(self, row: int) -> int:
+        """The lane that decodes `row`: calls of one row must run in order (on one stream), calls of
+        rows in different lanes may overlap."""
+        return row % self.lanes
 
     @property
     def device(self) -> torch.device:
         return self.decoder.device
 
     @torch.inference_mode()
-    def decode_frames(self, codes: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """codes: LongTensor [batch, n, 16], active: BoolTensor [batch] -> float32 [batch, n * 1920].
+    def decode(self, row: int, codes: torch.Tensor, out: torch.Tensor) -> None:
+        """codes: LongTensor [n, 16] (any device; pinned host memory copies without waiting) ->
+        `out` [n * 1920] (float32, any device), the next n frames of `row`'s stream."""
+        hop, done, lane = self.decoder.config.upsample, 0, self.lane(row)
+        for n in self.pieces(codes.shape[0]):
+            graph, codes_in = self.graphs.get((lane, n)) or self.capture(n, lane)  # a capture moves row_in: set it after
+            self.row_in[lane].fill_(row)
+            codes_in[0].copy_(codes[done:done + n], non_blocking=True)
+            out[done * hop:(done + n) * hop].copy_(graph(), non_blocking=True)
+            done += n
 
-        Inactive rows still need valid codes (zeros will do) and their audio is not part of their
-        stream. The result is a static buffer that the next call of this n overwrites.
-        """
-        graph, codes_in = self.graphs.get(codes.shape[1]) or self.capture(codes.shape[1])
-        codes_in.copy_(codes)
-        self.state.active.copy_(active)
-        return graph()
+    @classmethod
+    def pieces(cls, frames: int) -> list[int]:
+        """The call sizes a chunk of `frames` is decoded in (a fixed function of `frames`)."""
+        sizes = []
+        for size in cls.CALL_SIZES:
+            while frames >= size:
+                sizes.append(size)
+                frames -= size
+        return sizes
+
+    def _decode_stored_row(self, codes_in: torch.Tensor, lane: int) -> torch.Tensor:
+        work, row_in = self.work[lane], self.row_in[lane]
+        for dtype, flat in work.flat.items():
+            torch.index_select(self.store[dtype], 0, row_in, out=flat)
+        audio = self.decoder(codes_in, work)[0, 0].float()
+        for dtype, flat in work.flat.items():
+            self.store[dtype].index_copy_(0, row_in, flat)
+        return audio
 
     @torch.inference_mode()
-    def capture(self, frames: int = 1) -> tuple[CUDAGraphed, torch.Tensor]:
-        """The call for `frames` frames per row, as a CUDA graph (captured now) where graphs are on.
-        Capture runs the decoder for real; the state is put back afterwards."""
-        codes_in = torch.zeros(self.batch_size, frames, self.decoder.config.num_quantizers, dtype=torch.long, device=self.device)
-        graph = CUDAGraphed(lambda: self.decoder(codes_in, self.state)[:, 0].float(), self.use_cuda_graphs)
+    def capture(self, frames: int | None = None, lane: int = 0) -> tuple[CUDAGraphed, torch.Tensor]:
+        """The call for `frames` frames in `lane` (every size of every lane when None), as a CUDA
+        graph (captured now) where graphs are on. Capture runs the decoder for real on the lane's
+        first row, whose state is put back afterwards."""
+        if frames is None:
+            for lane in range(self.lanes):
+                for n in self.CALL_SIZES:
+                    self.capture(n, lane)
+            return self.graphs[(0, self.CALL_SIZES[-1])]
+        codes_in = torch.zeros(1, frames, self.decoder.config.num_quantizers, dtype=torch.long, device=self.device)
+        graph = CUDAGraphed(lambda: self._decode_stored_row(codes_in, lane), self.use_cuda_graphs)
         if graph.enabled:
-            saved = self.state.snapshot()
+            self.row_in[lane].fill_(lane)
+            saved = {dtype: t[lane].clone() for dtype, t in self.store.items()}
             graph.capture()
-            self.state.restore(saved)
-        self.graphs[frames] = (graph, codes_in)
-        return self.graphs[frames]
+            for dtype, t in self.store.items():
+                t[lane].copy_(saved[dtype])
+        self.graphs[(lane, frames)] = (graph, codes_in)
+        return self.graphs[(lane, frames)]
 
     @torch.inference_mode()
     def reset_row(self, row: int, primed: list[torch.Tensor] | None = None) -> None:
-        """Start a new stream in `row`: from scratch, or from a one-row state (`primed_state`)."""
-        if primed is not None:
-            self.state.restore_row(row, primed)
+        """Start a new stream in `row`: from scratch, or from a one-stream state (`primed_state`)."""
+        if primed is None:
+            for t in self.store.values():
+                t[row].zero_()
             return
-        rows = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
-        rows[row] = True
-        self.state.reset_rows(rows)
+        # Checked before any copy, so a wrong state leaves the row as it was.
+        if [tuple(v.shape) for v in primed] != [(1, t.shape[1]) for t in self.store.values()]:
+            raise ValueError("reset_row needs a one-stream state of this model's decoder (primed_state)")
+        for t, value in zip(self.store.values(), primed):
+            t[row].copy_(value[0])
 
     @torch.inference_mode()
     def primed_state(self, codes: torch.Tensor) -> list[torch.Tensor]:
-        """The one-row state of a stream that has decoded `codes` [frames, 16] without emitting them
-        (e.g. a voice's reference codes): computed once per voice, restored into any row."""
+        """The one-stream state after decoding `codes` [frames, 16] without emitting them (e.g. a
+        voice's reference codes): computed once per voice, loaded into any row."""
         stream = StreamingDecoder(self.decoder)
         stream.prime(codes)
         return stream.state.snapshot()
+
+    @torch.inference_mode()
+    def row_state(self, row: int) -> list[torch.Tensor]:
+        """A copy of `row`'s stored state, as `primed_state` gives it."""
+        return [t[row:row + 1].clone() for t in self.store.values()]

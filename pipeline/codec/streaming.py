@@ -2,8 +2,7 @@
 
 Every stateful layer keeps the tail of its input in a preallocated `StreamState`, updated in place,
 so chunked decoding equals offline decoding whatever the chunk sizes, and a CUDA graph captured
-over the state stays valid. A state holds one row per stream; with an advance mask only some rows
-move, so one call can decode streams that joined, paused or left at different times.
+over the state stays valid.
 """
 from __future__ import annotations
 
@@ -30,85 +29,51 @@ def exact_float32_convolutions():
     return cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False)
 
 
-def _per_row(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`mask` [batch] shaped to broadcast over `like` [batch, ...]."""
-    return mask.view(-1, *(1,) * (like.dim() - 1))
-
-
 class StreamState:
-    """The streaming state of every stateful layer below `root`, preallocated for `batch_size` rows.
+    """The streaming state of every stateful layer below `root`, for `batch_size` rows.
 
-    Each stateful layer defines `init_state(batch_size, device, dtype)` (its buffers, batch first),
-    reads `state[self]` in forward and writes it through `update`. Every change is in place, so a
-    CUDA graph captured with this object stays valid across calls, resets and row restores.
-
-    Without an advance mask every row advances on each call. `set_active(mask)` makes `update`
-    change only the rows where `active` is True; switch between masked and unmasked before a
-    capture, since the two run different kernels.
+    Each stateful layer defines `init_state(batch_size, device, dtype)` (zeroed buffers, batch
+    first), reads `state[self]` in forward and writes it through `update`. The buffers are views
+    into one flat tensor per dtype (`flat`, [batch_size, n]), so a row of the whole state is one
+    slice: saved, restored or swapped with one copy. Every change is in place, so a CUDA graph
+    captured with this object stays valid.
     """
 
     def __init__(self, root: nn.Module, batch_size: int = 1):
         p = next(root.parameters())
-        self.device = p.device
-        self.active: torch.Tensor | None = None
-        self._states = {}
+        states = {}
         for m in root.modules():
             if hasattr(m, "init_state"):
                 s = m.init_state(batch_size, p.device, p.dtype)
                 if s is not None:
-                    self._states[m] = s
+                    states[m] = s
+        tensors = [t for s in states.values() for t in (s if isinstance(s, tuple) else (s,))]
+        self.flat: dict[torch.dtype, torch.Tensor] = {}
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            width = sum(t[0].numel() for t in tensors if t.dtype == dtype)
+            self.flat[dtype] = torch.zeros(batch_size, width, device=p.device, dtype=dtype)
+        offsets = dict.fromkeys(self.flat, 0)
+
+        def view(t: torch.Tensor) -> torch.Tensor:
+            start, n = offsets[t.dtype], t[0].numel()
+            offsets[t.dtype] += n
+            return self.flat[t.dtype][:, start:start + n].view(t.shape)
+
+        self._states = {m: tuple(map(view, s)) if isinstance(s, tuple) else view(s) for m, s in states.items()}
 
     def __getitem__(self, layer: nn.Module):
         return self._states[layer]
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [t for s in self._states.values() for t in (s if isinstance(s, tuple) else (s,))]
-
-    def set_active(self, mask: torch.Tensor | None) -> None:
-        """Advance only the rows where `mask` (bool [batch]) is True from now on; None: every row.
-
-        The mask is copied into `self.active`, which stays the same tensor: change it in place
-        (`state.active.copy_(...)`) and a CUDA graph captured over this state sees the change."""
-        if mask is None:
-            self.active = None
-        elif self.active is None:
-            self.active = mask.to(device=self.device, dtype=torch.bool).clone()
-        else:
-            self.active.copy_(mask)
-
     def update(self, buffer: torch.Tensor, value: torch.Tensor) -> None:
-        """`buffer` (one of this state's tensors) <- `value` in place, in the active rows only."""
-        if self.active is None:
-            buffer.copy_(value)
-        else:
-            buffer.copy_(torch.where(_per_row(self.active, buffer), value, buffer))
+        """`buffer` (one of this state's tensors) <- `value`, in place."""
+        buffer.copy_(value)
 
     def reset(self) -> None:
-        for t in self._tensors():
+        for t in self.flat.values():
             t.zero_()
 
-    def reset_rows(self, rows: torch.Tensor) -> None:
-        """Zero the rows where `rows` (bool [batch]) is True, in place: each starts a new stream."""
-        rows = rows.to(self.device)
-        for t in self._tensors():
-            t.masked_fill_(_per_row(rows, t), 0)
-
     def snapshot(self) -> list[torch.Tensor]:
-        return [t.clone() for t in self._tensors()]
-
-    def restore(self, saved: list[torch.Tensor]) -> None:
-        for t, value in zip(self._tensors(), saved, strict=True):
-            t.copy_(value)
-
-    def restore_row(self, row: int, saved: list[torch.Tensor]) -> None:
-        """Copy a one-row snapshot (`StreamState(root, batch_size=1).snapshot()`, e.g. of a stream
-        primed with a voice's reference codes) into `row`, in place; the other rows are untouched."""
-        tensors = self._tensors()
-        # Checked before any copy, so a wrong snapshot leaves the row as it was.
-        if [tuple(v.shape) for v in saved] != [(1, *t.shape[1:]) for t in tensors]:
-            raise ValueError("restore_row needs a one-row snapshot of this model's streaming state")
-        for t, value in zip(tensors, saved):
-            t[row].copy_(value[0])
+        return [t.clone() for t in self.flat.values()]
 
 
 def _history(layer: nn.Module, x: torch.Tensor, state: StreamState, context: int) -> torch.Tensor:

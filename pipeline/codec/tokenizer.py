@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pipeline.codec.config import SpeechTokenizerConfig
-from pipeline.codec.decoder import BatchStreamingDecoder, SpeechDecoder, StreamingDecoder
+from pipeline.codec.decoder import MultiStreamDecoder, SpeechDecoder, StreamingDecoder
 from pipeline.codec.encoder import SpeechEncoder
 from pipeline.errors import CheckpointError
 from pipeline.loading import load_weights, read_json
@@ -87,5 +87,5 @@ class SpeechTokenizer(nn.Module):
     def stream_decoder(self) -> StreamingDecoder:
         return StreamingDecoder(self.decoder)
 
-    def batch_stream_decoder(self, batch_size: int, use_cuda_graphs: bool = False) -> BatchStreamingDecoder:
-        return BatchStreamingDecoder(self.decoder, batch_size, use_cuda_graphs)
+    def multi_stream_decoder(self, streams: int, use_cuda_graphs: bool = False, lanes: int = 1) -> MultiStreamDecoder:
+        return MultiStreamDecoder(self.decoder, streams, use_cuda_graphs, lanes)

@@ -2,10 +2,11 @@
 has this shape: admit, one batched step, hand out results).
 
 Each loop iteration: apply commands (cancel, more text), admit waiting requests into free rows
-(FIFO; their prefill runs between two frames), launch one decode step for every row and the
-vocoder for the frames it made, then hand out the previous iteration's frames while the GPU works
-on this one. Generation and vocoding run on two CUDA streams: the vocoder of frame k overlaps the
-decode step of frame k+1. Results come back through pinned host buffers, double-buffered.
+(FIFO; their prefill runs between two frames), launch one decode step for every row, then read
+the previous step's codes (pinned host buffers, double-buffered) while the GPU works on this one.
+A row whose chunk is complete has it vocoded on a second CUDA stream, overlapping the next decode
+steps, one row per vocoder call (so that its audio never depends on its neighbours); a delivery
+thread hands each chunk to its listener as soon as its audio is on the host.
 
 Callers `submit` a `Job` and get a `Handle`: an iterator of `Chunk`s. Closing it (Stop, the
 browser leaving) frees the row before the next frame.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.codec import BatchStreamingDecoder
+from pipeline.codec import MultiStreamDecoder
 from pipeline.engine.decoder import GENERATION_PRIORITY, BatchDecoder
 from pipeline.engine.sampling import SamplingConfig
 from pipeline.errors import EngineBusy
@@ -186,16 +187,15 @@ class _Row:
     """The engine's bookkeeping of one occupied row."""
 
     handle: Handle
+    row: int
     sizes: Iterator[int]
     segment: int = 0
     frames: int = 0  # in this segment
     budget: int = 0  # frames this segment may make
     total: int = 0  # frames over all segments
     next_size: int = 0
-    audio: list[np.ndarray] = field(default_factory=list)
-    codes: list[np.ndarray] = field(default_factory=list)
+    codes: list[np.ndarray] = field(default_factory=list)  # of the chunk being made
     generate_ms: float = 0.0
-    vocode_ms: float = 0.0
     chunk_index: int = 0
     samples: int = 0
     prefill_timer: _Timer | None = None  # read with the segment's first frame
@@ -205,6 +205,37 @@ class _Row:
 class _Launch:
     slot: int
     owners: list[_Row | None]
+
+
+@dataclass
+class _Vocoded:
+    """A chunk whose audio is on its way to the host; delivered once `done` has completed."""
+
+    handle: Handle
+    index: int
+    codes: np.ndarray
+    audio: torch.Tensor  # pinned host memory on CUDA
+    generate_ms: float
+    timer: _Timer
+    done: "torch.cuda.Event | None"
+    audio_seconds: float
+
+    def deliver(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()  # releases the GIL while the GPU works
+        handle = self.handle
+        handle._code_blocks.append(self.codes)
+        elapsed = (time.perf_counter() - handle.submitted) * 1000.0
+        handle._put(Chunk(self.index, self.audio.numpy().copy(), len(self.codes), self.generate_ms, self.timer.ms(), elapsed, self.audio_seconds))
+
+
+@dataclass
+class _Finished:
+    handle: Handle
+    error: BaseException | None = None
+
+    def deliver(self) -> None:
+        self.handle._finish(self.error)
 
 
 _ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -218,9 +249,10 @@ def _shutdown_engines() -> None:
 
 
 class Engine:
-    """Owns a model's decode state (BatchDecoder), its batched vocoder, two CUDA streams and the scheduler thread."""
+    """Owns a model's decode state (BatchDecoder), its vocoder streams, two CUDA streams, the
+    scheduler thread and the delivery thread."""
 
-    def __init__(self, decoder: BatchDecoder, vocoder: BatchStreamingDecoder, samples_per_frame: int, max_queue: int = 64, prefills_per_frame: int = 4):
+    def __init__(self, decoder: BatchDecoder, vocoder: MultiStreamDecoder, samples_per_frame: int, max_queue: int = 64, prefills_per_frame: int = 4):
         self.decoder, self.vocoder = decoder, vocoder
         self.rows = decoder.rows
         self.samples_per_frame = samples_per_frame
@@ -228,13 +260,16 @@ class Engine:
         self.device = decoder.codes.device
         self.cuda = self.device.type == "cuda"
         self.gen_stream = torch.cuda.Stream(self.device, priority=GENERATION_PRIORITY) if self.cuda else None
-        self.voc_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # One stream per vocoder lane: a row's chunks decode in order, other lanes' alongside.
+        self.voc_streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in range(vocoder.lanes)]
         self.slots: list[_Row | None] = [None] * self.rows
         self.waiting: deque[Handle] = deque()
         self.commands: deque = deque()
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.thread: threading.Thread | None = None
+        self.delivery: threading.Thread | None = None
+        self.outbox: queue.Queue = queue.Queue()  # _Vocoded / _Finished, in order, for the delivery thread
         self.closing = False
         self.iteration = 0
         self._allocate_buffers()
@@ -245,15 +280,10 @@ class Engine:
 
     def _allocate_buffers(self) -> None:
         rows, pin = self.rows, self.cuda
-        self.voc_codes = [torch.zeros(rows, 1, 16, dtype=torch.long, device=self.device) for _ in range(2)]
-        self.voc_mask = [torch.zeros(rows, dtype=torch.bool, device=self.device) for _ in range(2)]
         self.host_codes = [torch.zeros(rows, 16, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.host_produced = [torch.zeros(rows, dtype=torch.bool, pin_memory=pin) for _ in range(2)]
         self.host_token = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self.host_audio = [torch.zeros(rows, self.samples_per_frame, pin_memory=pin) for _ in range(2)]
         self.gen_timer = [_Timer(self.cuda) for _ in range(2)]
-        self.voc_timer = [_Timer(self.cuda) for _ in range(2)]
-        self.voc_done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
         self.gen_done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
 
     # ---- the caller's side ---------------------------------------------------------------------
@@ -277,7 +307,7 @@ class Engine:
 
     def cancel(self, handle: Handle) -> None:
         with self.lock:
-            if handle in self.waiting:
+            if handle in self.waiting:  # never admitted: nothing of it is in the outbox
                 self.waiting.remove(handle)
                 handle._finish()
                 self._announce_positions()
@@ -304,13 +334,26 @@ class Engine:
         with self.lock:
             self.closing = True
             self.wake.notify()
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join(timeout)
+        for thread in (self.thread, self.delivery):  # the loop ends the delivery thread on its way out
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout)
 
     def _ensure_thread(self) -> None:
         if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
             self.thread.start()
+            self.delivery = threading.Thread(target=self._deliver, name="tts-delivery", daemon=True)
+            self.delivery.start()
+
+    def _deliver(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        while (item := self.outbox.get()) is not None:
+            try:
+                item.deliver()
+            except Exception as exc:  # e.g. a failed copy: the listener gets the error, not a hang
+                log.exception("chunk delivery failed")
+                item.handle._finish(exc)
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -342,6 +385,7 @@ class Engine:
                 for handle in self.waiting:
                     handle._finish(RuntimeError("The speech engine shut down."))
                 self.waiting.clear()
+        self.outbox.put(None)
 
     def _next_work(self, busy: bool) -> list[Handle]:
         """Apply commands; take waiting requests into free rows (all of them while idle, a few
@@ -359,7 +403,7 @@ class Engine:
                     break
                 self.wake.wait()
         for handle, row in zip(admitted, free):
-            self.slots[row] = _Row(handle, chunk_sizes(handle.job.schedule))
+            self.slots[row] = _Row(handle, row, chunk_sizes(handle.job.schedule))
         return admitted
 
     def _announce_positions(self) -> None:
@@ -375,10 +419,7 @@ class Engine:
                     handle._released.set()
                 continue
             if kind == "cancel":
-                with self._stream(self.gen_stream):
-                    self.decoder.stop(row)
-                self.slots[row] = None
-                handle._finish()
+                self._release(row, self.slots[row])
             else:
                 embeds, end, ready = payload
                 with self._stream(self.gen_stream):
@@ -395,14 +436,14 @@ class Engine:
         state = self.slots[row]
         job = handle.job
         try:
-            with self._stream(self.voc_stream):
+            stream = self.voc_streams[self.vocoder.lane(row)]
+            with self._stream(stream):
                 if job.ready is not None:
-                    self.voc_stream.wait_event(job.ready)
+                    stream.wait_event(job.ready)
                 self.vocoder.reset_row(row, job.vocoder_state)
             self._start_segment(row, state)
         except Exception as exc:
-            self.slots[row] = None
-            handle._finish(exc)
+            self._release(row, state, exc)
 
     def _start_segment(self, row: int, state: _Row) -> None:
         job = state.handle.job
@@ -425,38 +466,24 @@ class Engine:
         slot = self.iteration % 2
         self.iteration += 1
         with self._stream(self.gen_stream):
-            if self.voc_done[slot] is not None:
-                self.gen_stream.wait_event(self.voc_done[slot])  # the vocoder is done with this slot's inputs
             self.gen_timer[slot].start()
             produced, codes, token = self.decoder.step()
             self.gen_timer[slot].stop()
-            self.voc_codes[slot].copy_(codes[:, None])
-            self.voc_mask[slot].copy_(produced)
             self.host_codes[slot].copy_(codes, non_blocking=True)
             self.host_produced[slot].copy_(produced, non_blocking=True)
             self.host_token[slot].copy_(token, non_blocking=True)
             if self.cuda:
                 self.gen_done[slot].record()
-        with self._stream(self.voc_stream):
-            if self.cuda:
-                self.voc_stream.wait_event(self.gen_done[slot])
-            self.voc_timer[slot].start()
-            audio = self.vocoder.decode_frames(self.voc_codes[slot], self.voc_mask[slot])
-            self.voc_timer[slot].stop()
-            self.host_audio[slot].copy_(audio, non_blocking=True)
-            if self.cuda:
-                self.voc_done[slot].record()
         return _Launch(slot, list(self.slots))
 
     def _collect(self, launch: _Launch) -> None:
         slot = launch.slot
         if self.cuda:
-            self.voc_done[slot].synchronize()  # releases the GIL while the GPU works
+            self.gen_done[slot].synchronize()  # releases the GIL while the GPU works
         produced = self.host_produced[slot].numpy()
         tokens = self.host_token[slot].numpy()
         codes = self.host_codes[slot].numpy()
-        audio = self.host_audio[slot].numpy()
-        step_ms, vocode_ms = self.gen_timer[slot].ms(), self.voc_timer[slot].ms()
+        step_ms = self.gen_timer[slot].ms()
         for row, state in enumerate(launch.owners):
             if state is None or state.handle.closed or self.slots[row] is not state:
                 continue
@@ -464,37 +491,41 @@ class Engine:
                 # Running but no frame: it waits for more text. The listener gets what is made so far.
                 self._emit(state)
                 continue
-            self._add_frame(state, codes[row].copy(), audio[row].copy(), step_ms, vocode_ms)
+            self._add_frame(state, codes[row].copy(), step_ms)
             if tokens[row] == self.decoder.eos_id or state.frames >= state.budget:
                 self._end_segment(row, state, tokens[row] == self.decoder.eos_id)
 
-    def _add_frame(self, state: _Row, codes: np.ndarray, audio: np.ndarray, step_ms: float, vocode_ms: float) -> None:
+    def _add_frame(self, state: _Row, codes: np.ndarray, step_ms: float) -> None:
         if state.prefill_timer is not None:
             state.generate_ms += state.prefill_timer.ms()
             state.prefill_timer = None
         state.frames += 1
         state.total += 1
         state.codes.append(codes)
-        state.audio.append(audio)
         state.generate_ms += step_ms
-        state.vocode_ms += vocode_ms
         if not state.next_size:
             state.next_size = next(state.sizes)
-        if len(state.audio) >= state.next_size:
+        if len(state.codes) >= state.next_size:
             self._emit(state)
 
     def _emit(self, state: _Row) -> None:
-        if not state.audio:
+        """Vocode the row's pending frames as its next chunk; the delivery thread hands it out."""
+        if not state.codes:
             return
-        audio = np.concatenate(state.audio)
-        state.samples += audio.size
-        handle = state.handle
-        handle._code_blocks.append(np.stack(state.codes))
-        elapsed = (time.perf_counter() - handle.submitted) * 1000.0
-        handle._put(Chunk(state.chunk_index, audio, len(state.audio), state.generate_ms, state.vocode_ms, elapsed, state.samples / SAMPLE_RATE))
+        codes = np.stack(state.codes)
+        audio = torch.empty(len(codes) * self.samples_per_frame, pin_memory=self.cuda)
+        timer, done = _Timer(self.cuda), torch.cuda.Event() if self.cuda else None
+        with self._stream(self.voc_streams[self.vocoder.lane(state.row)]):
+            timer.start()
+            self.vocoder.decode(state.row, torch.from_numpy(codes).pin_memory() if self.cuda else torch.from_numpy(codes), audio)
+            timer.stop()
+            if done is not None:
+                done.record()
+        state.samples += audio.numel()
+        self.outbox.put(_Vocoded(state.handle, state.chunk_index, codes, audio, state.generate_ms, timer, done, state.samples / SAMPLE_RATE))
         state.chunk_index += 1
-        state.audio, state.codes = [], []
-        state.generate_ms = state.vocode_ms = 0.0
+        state.codes = []
+        state.generate_ms = 0.0
         state.next_size = next(state.sizes)
 
     def _end_segment(self, row: int, state: _Row, by_eos: bool) -> None:
@@ -521,7 +552,7 @@ class Engine:
         with self._stream(self.gen_stream):
             self.decoder.stop(row)
         self.slots[row] = None
-        state.handle._finish(error)
+        self.outbox.put(_Finished(state.handle, error))  # after the row's last chunk
 
     def _fail_all(self, exc: BaseException) -> None:
         for row, state in enumerate(self.slots):

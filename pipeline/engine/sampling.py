@@ -63,10 +63,10 @@ class RowSampling:
         )
 
     def set_row(self, row: int, do_sample: bool, temperature: float, top_k: int, top_p: float) -> None:
-        self.do_sample[row] = do_sample
-        self.temperature[row] = temperature
-        self.top_k[row] = top_k
-        self.top_p[row] = top_p
+        self.do_sample[row].fill_(do_sample)
+        self.temperature[row].fill_(temperature)
+        self.top_k[row].fill_(top_k)
+        self.top_p[row].fill_(top_p)
 
     def select(self, rows: slice) -> "RowSampling":
         return RowSampling(self.do_sample[rows], self.temperature[rows], self.top_k[rows], self.top_p[rows])
