@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from pipeline.errors import CheckpointError, TTSInputError
@@ -135,31 +135,35 @@ def _check_cuda_gpu(index: int | None) -> None:
         raise TTSInputError(f"There is no CUDA GPU cuda:{index} on this machine: it has {count} ({present}).")
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _load_safetensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     try:
-        return load_file(path)
+        if not prefix:
+            return load_file(path)
+        with safe_open(path, "pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path} is damaged or is not a safetensors file ({exc}).") from None
 
 
-def _shard_names(directory: Path) -> list[str]:
-    """The shard files the index's weight_map names, each present."""
+def _shard_names(directory: Path, prefix: str = "") -> list[str]:
+    """The shard files the index's weight_map names (for the tensors named `prefix`...), each present."""
     weight_map = read_json(directory, WEIGHTS_INDEX).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(shard, str) for shard in weight_map.values()):
         raise CheckpointError(f"{directory / WEIGHTS_INDEX} has no weight_map naming the shard file of each tensor.")
-    shards = sorted(set(weight_map.values()))
+    shards = sorted({shard for name, shard in weight_map.items() if name.startswith(prefix)})
     missing = [shard for shard in shards if not (directory / shard).is_file()]
     if missing:
         raise CheckpointError(f"Checkpoint directory {directory} is missing {', '.join(missing)}.")
     return shards
 
 
-def load_weights(directory: Path) -> dict[str, torch.Tensor]:
+def load_weights(directory: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (those whose names start with `prefix`: only their shards are read)."""
     if (directory / WEIGHTS).is_file():
-        return _load_safetensors(directory / WEIGHTS)
+        return _load_safetensors(directory / WEIGHTS, prefix)
     state: dict[str, torch.Tensor] = {}
-    for shard in _shard_names(directory):
-        state.update(_load_safetensors(directory / shard))
+    for shard in _shard_names(directory, prefix):
+        state.update(_load_safetensors(directory / shard, prefix))
     return state
 
 

@@ -289,3 +289,13 @@ def write_tiny_speech_tokenizer(directory: Path, seed: int, config: dict | None 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps(TINY_SPEECH_TOKENIZER_PREPROCESSOR_CONFIG, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+
+
+@torch.no_grad()
+def randomize_code2wav_(model: nn.Module, g: torch.Generator) -> None:
+    """Seeded random weights for Qwen3-Omni's code2wav (ours or transformers', same names)."""
+    randomize_(model, g)
+    for name, p in model.named_parameters():
+        if name.endswith(("conv2.conv.weight", "conv2.conv.bias")):
+            p.mul_(0.3)  # small residual branches keep the vocoder's activations O(1), as for the codec
+    derive_all_(model)

@@ -268,7 +268,7 @@ def _decode_interleaved(multi, rows: list[torch.Tensor], ref_codes: torch.Tensor
                 chunk = rows[r][done[r]:done[r] + n]
                 before = [multi.row_state(other) for other in range(len(rows))]
                 out = _out(len(chunk))
-                multi.decode(r, chunk, out)
+                multi.decode(r, chunk, out, lane=(turn + r) % multi.lanes)  # a row's calls change lanes
                 parts[r].append(out)
                 done[r] += len(chunk)
                 for other in set(range(len(rows))) - {r}:
@@ -280,7 +280,7 @@ def _decode_interleaved(multi, rows: list[torch.Tensor], ref_codes: torch.Tensor
 def _check_interleaved(model: SpeechTokenizer, use_cuda_graphs: bool) -> None:
     rows = [_codes(n, seed=20 + r) for r, n in enumerate(ROW_FRAMES)]
     ref_codes = _codes(REF_FRAMES, seed=30)
-    # Two lanes: rows 0 and 2 share a working state, row 1 has the other.
+    # Two working states (lanes) shared by the three rows.
     wavs = _decode_interleaved(model.multi_stream_decoder(len(rows), use_cuda_graphs, lanes=2), rows, ref_codes)
     for r, (codes, wav) in enumerate(zip(rows, wavs)):
         context = ref_codes if r == PRIMED_ROW else codes[:0]
@@ -305,12 +305,12 @@ def test_a_stream_sounds_the_same_in_any_row_among_any_neighbours(ours):
     for chunk in codes.split(chunks):
         expected.append(_out(len(chunk)))
         alone.decode(0, chunk, expected[-1])
-    shared, g, got = ours.multi_stream_decoder(3, lanes=2), torch.Generator().manual_seed(15), []
-    for chunk in codes.split(chunks):
-        shared.decode(0, torch.randint(0, 2048, (3, 16), generator=g), _out(3))
+    shared, g, got = ours.multi_stream_decoder(3, lanes=3), torch.Generator().manual_seed(15), []
+    for i, chunk in enumerate(codes.split(chunks)):
+        shared.decode(0, torch.randint(0, 2048, (3, 16), generator=g), _out(3), lane=i % 3)
         got.append(_out(len(chunk)))
-        shared.decode(2, chunk, got[-1])
-        shared.decode(1, torch.randint(0, 2048, (len(chunk), 16), generator=g), _out(len(chunk)))
+        shared.decode(2, chunk, got[-1], lane=(i + 1) % 3)
+        shared.decode(1, torch.randint(0, 2048, (len(chunk), 16), generator=g), _out(len(chunk)), lane=(i + 2) % 3)
     assert torch.equal(torch.cat(got), torch.cat(expected))
 
 

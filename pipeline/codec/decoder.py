@@ -70,11 +70,12 @@ class ResidualUnit(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """SnakeBeta -> x`rate` transposed conv -> residual units with dilations 1, 3, 9."""
+    """SnakeBeta -> x`rate` transposed conv -> residual units with dilations 1, 3, 9. `transposed`:
+    how the transposed conv is trimmed (Qwen3-Omni's code2wav looks one step ahead)."""
 
-    def __init__(self, in_dim: int, out_dim: int, rate: int):
+    def __init__(self, in_dim: int, out_dim: int, rate: int, transposed: type[nn.Module] = CausalConvTranspose1d):
         super().__init__()
-        self.block = nn.ModuleList([SnakeBeta(in_dim), CausalConvTranspose1d(in_dim, out_dim, 2 * rate, rate)]
+        self.block = nn.ModuleList([SnakeBeta(in_dim), transposed(in_dim, out_dim, 2 * rate, rate)]
                                    + [ResidualUnit(out_dim, d) for d in (1, 3, 9)])
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
@@ -173,17 +174,18 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderTransformer(nn.Module):
-    """latent -> hidden -> sliding-window layers -> RMSNorm -> latent. Its own state is the number
-    of frames each row has already seen ([batch], on the device), which hides the history slots
-    that row has not filled yet."""
+    """latent -> hidden -> sliding-window layers -> RMSNorm -> latent (`projected`; Qwen3-Omni's
+    code2wav has no projections: hidden in, hidden out). Its own state is the number of frames
+    each row has already seen ([batch], on the device), which hides the history slots that row
+    has not filled yet."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, projected: bool = True):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.input_proj = nn.Linear(config.latent_dim, config.hidden_size)
-        self.output_proj = nn.Linear(config.hidden_size, config.latent_dim)
+        self.input_proj = nn.Linear(config.latent_dim, config.hidden_size) if projected else nn.Identity()
+        self.output_proj = nn.Linear(config.hidden_size, config.latent_dim) if projected else nn.Identity()
 
     def init_state(self, batch_size: int, device, dtype):
         return torch.zeros(batch_size, device=device, dtype=torch.int64)
@@ -355,9 +357,9 @@ class MultiStreamDecoder:
     rows in one call, one frame each, cost as much as one stream's 16-frame call: each row carries
     its own context through every layer.)
 
-    `lanes` working states (row r uses lane r % lanes), each with its own graphs, can decode at
-    the same time on different CUDA streams: a short call is a chain of ~700 small kernels that
-    leaves most of the GPU idle, so two lanes vocode two first chunks in the time of one.
+    `lanes` working states, each with its own graphs, can decode at the same time on different
+    CUDA streams (a short call is a chain of ~700 small kernels that leaves most of the GPU idle).
+    Any row may be decoded in any lane; the caller keeps the calls of one row in order.
 
     On CUDA with `use_cuda_graphs`, each piece size of each lane is one CUDA graph (captured by
     `capture`), the load and store of the row included, replayed for any row of the lane.
@@ -374,20 +376,15 @@ class MultiStreamDecoder:
         self.use_cuda_graphs = use_cuda_graphs and decoder.device.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[CUDAGraphed, torch.Tensor]] = {}
 
-    def lane(self, row: int) -> int:
-        """The lane that decodes `row`: calls of one row must run in order (on one stream), calls of
-        rows in different lanes may overlap."""
-        return row % self.lanes
-
     @property
     def device(self) -> torch.device:
         return self.decoder.device
 
     @torch.inference_mode()
-    def decode(self, row: int, codes: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, row: int, codes: torch.Tensor, out: torch.Tensor, lane: int = 0) -> None:
         """codes: LongTensor [n, 16] (any device; pinned host memory copies without waiting) ->
-        `out` [n * 1920] (float32, any device), the next n frames of `row`'s stream."""
-        hop, done, lane = self.decoder.config.upsample, 0, self.lane(row)
+        `out` [n * 1920] (float32, any device), the next n frames of `row`'s stream, decoded in `lane`."""
+        hop, done = self.decoder.config.upsample, 0
         for n in self.pieces(codes.shape[0]):
             graph, codes_in = self.graphs.get((lane, n)) or self.capture(n, lane)  # a capture moves row_in: set it after
             self.row_in[lane].fill_(row)

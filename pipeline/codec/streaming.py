@@ -36,7 +36,8 @@ class StreamState:
     first), reads `state[self]` in forward and writes it through `update`. The buffers are views
     into one flat tensor per dtype (`flat`, [batch_size, n]), so a row of the whole state is one
     slice: saved, restored or swapped with one copy. Every change is in place, so a CUDA graph
-    captured with this object stays valid.
+    captured with this object stays valid. `started` (host side) is False until the stream's
+    first call has ended (`LookaheadConvTranspose1d` trims that call differently).
     """
 
     def __init__(self, root: nn.Module, batch_size: int = 1):
@@ -60,6 +61,7 @@ class StreamState:
             return self.flat[t.dtype][:, start:start + n].view(t.shape)
 
         self._states = {m: tuple(map(view, s)) if isinstance(s, tuple) else view(s) for m, s in states.items()}
+        self.started = False
 
     def __getitem__(self, layer: nn.Module):
         return self._states[layer]
@@ -71,6 +73,7 @@ class StreamState:
     def reset(self) -> None:
         for t in self.flat.values():
             t.zero_()
+        self.started = False
 
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.flat.values()]
@@ -127,3 +130,32 @@ class CausalConvTranspose1d(nn.Module):
             x = _history(self, x, state, self.context)
         start = self.context * self.stride
         return self.conv(x)[..., start:start + n * self.stride]
+
+
+class LookaheadConvTranspose1d(nn.Module):
+    """Transposed conv trimmed by kernel - stride on both sides, as Qwen3-Omni's code2wav: output
+    step t depends on input t // stride and the `context` inputs before or after it, so offline
+    decoding never makes the last (kernel - stride) outputs, and a stream's output lags its input
+    by the same amount (the look-ahead). Streaming keeps the last `context` inputs and emits, per
+    call, exactly the outputs that no later input can change: stride outputs per input, less
+    kernel - stride in a stream's first call. Concatenated, they equal the offline output.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__()
+        if kernel_size > 2 * stride:
+            raise ValueError("a look-ahead transposed conv needs kernel_size <= 2 * stride")
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.stride, self.trim = stride, kernel_size - stride
+        self.context = -(-kernel_size // stride) - 1  # inputs whose outputs overlap the next input's
+
+    def init_state(self, batch_size: int, device, dtype):
+        if self.context:
+            return torch.zeros(batch_size, self.conv.in_channels, self.context, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        n = x.shape[-1]
+        if self.context:
+            x = _history(self, x, state, self.context)
+        start = self.context * self.stride + (0 if state.started else self.trim)
+        return self.conv(x)[..., start:(self.context + n) * self.stride]

@@ -1,4 +1,4 @@
-"""One engine per loaded model: the batched decode step, the batched vocoder and the scheduler loop."""
+"""One engine per loaded model: the batched decode step, the per-listener vocoder and the scheduler loop."""
 from pipeline.engine.core import DEFAULT_SCHEDULE, Chunk, Engine, Handle, Job, Queued, Segment
 from pipeline.engine.decoder import BatchDecoder
 from pipeline.engine.sampling import SamplingConfig

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SCHEDULE = (1, 2, 4, 8, 16)  # frames per chunk; the last size repeats
 SAMPLE_RATE = 24000
 CLOSE_TIMEOUT_S = 10.0
+EARLY_CHUNKS = 4  # a stream's first chunks (1, 2, 4 and 8 frames by default): little audio buffered yet
 
 
 @dataclass
@@ -260,8 +261,10 @@ class Engine:
         self.device = decoder.codes.device
         self.cuda = self.device.type == "cuda"
         self.gen_stream = torch.cuda.Stream(self.device, priority=GENERATION_PRIORITY) if self.cuda else None
-        # One stream per vocoder lane: a row's chunks decode in order, other lanes' alongside.
+        # One stream per vocoder lane; a row's calls in different lanes are ordered by its event.
         self.voc_streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in range(vocoder.lanes)]
+        self.row_lane: list[int | None] = [None] * self.rows
+        self.row_vocoded = [torch.cuda.Event() if self.cuda else None for _ in range(self.rows)]
         self.slots: list[_Row | None] = [None] * self.rows
         self.waiting: deque[Handle] = deque()
         self.commands: deque = deque()
@@ -436,8 +439,7 @@ class Engine:
         state = self.slots[row]
         job = handle.job
         try:
-            stream = self.voc_streams[self.vocoder.lane(row)]
-            with self._stream(stream):
+            with self._vocoder_stream(row, self._vocoder_lane(state)) as stream:
                 if job.ready is not None:
                     stream.wait_event(job.ready)
                 self.vocoder.reset_row(row, job.vocoder_state)
@@ -515,9 +517,10 @@ class Engine:
         codes = np.stack(state.codes)
         audio = torch.empty(len(codes) * self.samples_per_frame, pin_memory=self.cuda)
         timer, done = _Timer(self.cuda), torch.cuda.Event() if self.cuda else None
-        with self._stream(self.voc_streams[self.vocoder.lane(state.row)]):
+        lane = self._vocoder_lane(state)
+        with self._vocoder_stream(state.row, lane):
             timer.start()
-            self.vocoder.decode(state.row, torch.from_numpy(codes).pin_memory() if self.cuda else torch.from_numpy(codes), audio)
+            self.vocoder.decode(state.row, torch.from_numpy(codes).pin_memory() if self.cuda else torch.from_numpy(codes), audio, lane)
             timer.stop()
             if done is not None:
                 done.record()
@@ -527,6 +530,27 @@ class Engine:
         state.codes = []
         state.generate_ms = 0.0
         state.next_size = next(state.sizes)
+
+    def _vocoder_lane(self, state: _Row) -> int:
+        """A stream's first chunks in the first lanes (by row, so that simultaneous arrivals vocode
+        side by side), its steady chunks in the last: a new stream's second chunk, due 80 ms after
+        its first, then never waits behind a queue of 16-frame chunks of the running streams."""
+        lanes = self.vocoder.lanes
+        if lanes == 1:
+            return 0
+        return state.row % (lanes - 1) if state.chunk_index < EARLY_CHUNKS else lanes - 1
+
+    @contextlib.contextmanager
+    def _vocoder_stream(self, row: int, lane: int):
+        """Run vocoder work of `row` in `lane`'s stream, after the row's earlier vocoder work."""
+        stream = self.voc_streams[lane]
+        with self._stream(stream):
+            if self.cuda and self.row_lane[row] not in (None, lane):
+                stream.wait_event(self.row_vocoded[row])
+            yield stream
+            if self.cuda:
+                self.row_vocoded[row].record()
+        self.row_lane[row] = lane
 
     def _end_segment(self, row: int, state: _Row, by_eos: bool) -> None:
         job = state.handle.job
