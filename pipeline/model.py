@@ -10,6 +10,7 @@ is exactly 1-D RoPE, so 1-D RoPE is what runs here.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -210,10 +211,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = Attention(hidden, heads, kv_heads, head_dim, eps)
-        self.mlp = MLP(hidden, intermediate)
+        self.mlp = mlp if mlp is not None else MLP(hidden, intermediate)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
@@ -223,11 +224,13 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A Qwen3 decoder stack over a static KV cache of `rows` sequences; positions are device tensors."""
+    """A Qwen3 decoder stack over a static KV cache of `rows` sequences; positions are device tensors.
+    `mlp` makes each layer's MLP where it is not the dense one (Qwen3-Omni's talker: a sparse MoE)."""
 
-    def __init__(self, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, eps: float, rope_theta: float):
+    def __init__(self, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, eps: float, rope_theta: float,
+                 mlp: Callable[[], nn.Module] | None = None):
         super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(hidden, intermediate, heads, kv_heads, head_dim, eps) for _ in range(layers))
+        self.layers = nn.ModuleList(DecoderLayer(hidden, intermediate, heads, kv_heads, head_dim, eps, mlp() if mlp else None) for _ in range(layers))
         self.norm = RMSNorm(hidden, eps)
         self.kv_heads, self.head_dim, self.rope_theta = kv_heads, head_dim, rope_theta
         self.max_seq = 0

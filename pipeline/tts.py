@@ -61,6 +61,7 @@ class TTS:
         use_cuda_graphs: bool = True,
         compiled: bool = False,
         max_queue: int = 64,
+        vocoder_lanes: int | None = None,
     ):
         self.model = model
         self.config = model.config
@@ -75,7 +76,8 @@ class TTS:
         with torch.inference_mode():
             tts_pad = model.talker.embed_text(torch.tensor([[self.config.tts_pad_token_id]], device=self.device))[0, 0]
             decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled)
-            vocoder = speech_tokenizer.multi_stream_decoder(self.rows, use_cuda_graphs, VOCODER_LANES.get(self.device.type, 1))
+            lanes = vocoder_lanes or VOCODER_LANES.get(self.device.type, 1)
+            vocoder = speech_tokenizer.multi_stream_decoder(self.rows, use_cuda_graphs, lanes)
             self.engine = Engine(decoder, vocoder, SAMPLES_PER_FRAME, max_queue=max_queue)
 
     @classmethod

@@ -212,3 +212,16 @@ def test_streamed_audio_equals_offline_decode_for_any_schedule(models):
         audio = np.concatenate([c.audio for c in chunks])
         assert audio.shape == (40 * SAMPLES_PER_FRAME,)
         assert np.abs(audio - tts.decode(handle.codes)).max() <= 1e-5
+
+
+def test_vocoder_lanes_change_nothing_in_the_audio(tiny_checkpoints, models):
+    """A stream's first chunks and its steady chunks run in different vocoder lanes (working states)
+    when there are several, as on CUDA: the row's state passes between them intact."""
+    laned = TTS.from_pretrained(str(tiny_checkpoints["voice_design"]), rows=2, vocoder_lanes=3)
+    request = SpeechRequest("Calm words, in lanes.", instruct="Calm.", seed=4, max_frames=60)
+    one_lane = models["voice_design"].synthesize(request)
+    three = laned.synthesize(request)
+    assert laned.engine.vocoder.lanes == 3
+    np.testing.assert_array_equal(three.codes, one_lane.codes)
+    np.testing.assert_array_equal(three.audio, one_lane.audio)
+    laned.engine.shutdown()

@@ -362,13 +362,13 @@ class MultiStreamDecoder:
     Any row may be decoded in any lane; the caller keeps the calls of one row in order.
 
     On CUDA with `use_cuda_graphs`, each piece size of each lane is one CUDA graph (captured by
-    `capture`), the load and store of the row included, replayed for any row of the lane.
+    `capture`), the load and store of the row included, replayed for any row.
     """
 
     CALL_SIZES = (16, 8, 4, 2, 1)
 
     def __init__(self, decoder: SpeechDecoder, streams: int, use_cuda_graphs: bool = False, lanes: int = 1):
-        self.decoder, self.streams, self.lanes = decoder, streams, min(lanes, streams)
+        self.decoder, self.streams, self.lanes = decoder, streams, lanes
         with torch.inference_mode():
             self.work = [StreamState(decoder, batch_size=1) for _ in range(self.lanes)]
             self.store = {dtype: torch.zeros(streams, t.shape[1], dtype=dtype, device=t.device) for dtype, t in self.work[0].flat.items()}
@@ -414,8 +414,8 @@ class MultiStreamDecoder:
     @torch.inference_mode()
     def capture(self, frames: int | None = None, lane: int = 0) -> tuple[CUDAGraphed, torch.Tensor]:
         """The call for `frames` frames in `lane` (every size of every lane when None), as a CUDA
-        graph (captured now) where graphs are on. Capture runs the decoder for real on the lane's
-        first row, whose state is put back afterwards."""
+        graph (captured now) where graphs are on. Capture runs the decoder for real on row 0, whose
+        state is put back afterwards."""
         if frames is None:
             for lane in range(self.lanes):
                 for n in self.CALL_SIZES:
@@ -424,11 +424,11 @@ class MultiStreamDecoder:
         codes_in = torch.zeros(1, frames, self.decoder.config.num_quantizers, dtype=torch.long, device=self.device)
         graph = CUDAGraphed(lambda: self._decode_stored_row(codes_in, lane), self.use_cuda_graphs)
         if graph.enabled:
-            self.row_in[lane].fill_(lane)
-            saved = {dtype: t[lane].clone() for dtype, t in self.store.items()}
+            self.row_in[lane].zero_()
+            saved = {dtype: t[0].clone() for dtype, t in self.store.items()}
             graph.capture()
             for dtype, t in self.store.items():
-                t[lane].copy_(saved[dtype])
+                t[0].copy_(saved[dtype])
         self.graphs[(lane, frames)] = (graph, codes_in)
         return self.graphs[(lane, frames)]
 

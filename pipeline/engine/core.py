@@ -4,9 +4,9 @@ has this shape: admit, one batched step, hand out results).
 Each loop iteration: apply commands (cancel, more text), admit waiting requests into free rows
 (FIFO; their prefill runs between two frames), launch one decode step for every row, then read
 the previous step's codes (pinned host buffers, double-buffered) while the GPU works on this one.
-A row whose chunk is complete has it vocoded on a second CUDA stream, overlapping the next decode
-steps, one row per vocoder call (so that its audio never depends on its neighbours); a delivery
-thread hands each chunk to its listener as soon as its audio is on the host.
+A row whose chunk is complete has it vocoded on the vocoder's own CUDA streams (lanes), overlapping
+the next decode steps, one row per vocoder call (so that its audio never depends on its
+neighbours); a delivery thread hands each chunk to its listener as soon as its audio is on the host.
 
 Callers `submit` a `Job` and get a `Handle`: an iterator of `Chunk`s. Closing it (Stop, the
 browser leaving) frees the row before the next frame.
