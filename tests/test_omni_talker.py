@@ -15,11 +15,12 @@ TEXT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_atten
 PREDICTOR = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=8, vocab_size=2048, num_code_groups=16)
 TOL = 1e-5
+EOS = 2150
 
 
 def _hf_config() -> Qwen3OmniMoeTalkerConfig:
     config = Qwen3OmniMoeTalkerConfig(text_config=TEXT, code_predictor_config=PREDICTOR, thinker_hidden_size=40, num_code_groups=16,
-                                      spatial_merge_size=2)
+                                      spatial_merge_size=2, codec_eos_token_id=EOS)
     for c in (config, config.text_config, config.code_predictor_config):
         c._attn_implementation = "eager"
     return config
@@ -77,3 +78,49 @@ def test_a_code_predictor_narrower_than_the_talker_is_refused():
     data["code_predictor_config"]["hidden_size"] = 16
     with pytest.raises(CheckpointError, match="hidden_size must equal"):
         OmniTalkerConfig.from_dict(data)
+
+
+def _hf_codes(reference, prompt: torch.Tensor, trailing: torch.Tensor, pad: torch.Tensor, frames: int) -> torch.Tensor:
+    """transformers' talker loop, greedy (as Qwen3OmniMoeForConditionalGeneration.generate calls it) -> codes [frames, 16]."""
+    vocab = reference.config.text_config.vocab_size
+    out = reference.generate(
+        inputs_embeds=prompt[None], trailing_text_hidden=trailing[None], tts_pad_embed=pad[None, None],
+        talker_input_ids=torch.full((1, prompt.shape[0]), 151671), attention_mask=torch.ones(1, prompt.shape[0], dtype=torch.long),
+        # N new tokens make N - 1 frames: the last token's residuals are never drawn.
+        max_new_tokens=frames + 1, do_sample=False, repetition_penalty=1.05, eos_token_id=EOS,
+        suppress_tokens=[i for i in range(vocab - 1024, vocab) if i != EOS], output_hidden_states=True, return_dict_in_generate=True)
+    return torch.stack([h[-1] for h in out.hidden_states if h[-1] is not None], dim=1)[0]
+
+
+def _our_codes(ours, prompt: torch.Tensor, trailing: torch.Tensor, pad: torch.Tensor, frames: int, text_at_once: bool) -> torch.Tensor:
+    """Our batched decode step in row 1 of 2, the row's text given at once or one entry per frame (with a wait)."""
+    from pipeline.engine.decoder import BatchDecoder
+    from pipeline.engine.sampling import SamplingConfig
+
+    decoder = BatchDecoder(ours, pad, rows=2, max_seq=64, use_cuda_graphs=False, min_new_tokens=0)
+    fed = len(trailing) if text_at_once else 1
+    decoder.start(1, prompt[None], trailing[:fed], text_at_once, SamplingConfig(repetition_penalty=1.05).greedy(), 0, frames)
+    codes = []
+    while len(codes) < frames:
+        produced, step_codes, token = decoder.step()
+        if produced[1]:
+            codes.append(step_codes[1].clone())
+        elif fed < len(trailing):  # the row waited for text: give it the next entry
+            decoder.append_text(1, trailing[fed:fed + 1], fed + 1 == len(trailing))
+            fed += 1
+        if token[1] == EOS:
+            break
+    return torch.stack(codes)
+
+
+@pytest.mark.parametrize("text_at_once", [True, False])
+def test_greedy_codes_equal_transformers_talker_generate(pair, text_at_once):
+    """The talker's loop: prompt, then one text entry per frame (the last one tts_eos), then tts_pad."""
+    ours, reference = pair
+    g = torch.Generator().manual_seed(5)
+    prompt, trailing, pad = torch.randn(12, 32, generator=g), torch.randn(6, 32, generator=g), torch.randn(32, generator=g)
+    with torch.no_grad():
+        expected = _hf_codes(reference, prompt, trailing, pad, 24)
+        got = _our_codes(ours, prompt, trailing, pad, 24, text_at_once)
+    assert len(set(expected[:, 0].tolist())) > 3  # a varied codebook 0, not one token repeated
+    assert torch.equal(got, expected)

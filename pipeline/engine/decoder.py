@@ -23,7 +23,7 @@ from pipeline.graphs import CUDAGraphed
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker
 
-MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two codebook-0 tokens
+MIN_NEW_TOKENS = 2  # Qwen3-TTS's reference masks EOS for the first two codebook-0 tokens (Qwen3-Omni's: none)
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompts are zero-padded to one of these lengths
 # The decode step is a chain of ~1,600 small kernels; the vocoder's convolutions fill the GPU. With
 # the step's kernels first in line for free SMs, the two overlap instead of taking turns.
@@ -31,7 +31,8 @@ GENERATION_PRIORITY = -1
 
 
 class BatchDecoder:
-    def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False):
+    def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False,
+                 min_new_tokens: int = MIN_NEW_TOKENS):
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
@@ -43,6 +44,7 @@ class BatchDecoder:
         self.sub_steps = config.num_code_groups - 1
         self.draws_per_frame = self.vocab + self.sub_steps * self.sub_vocab
         self.eos_id = config.codec_eos_token_id
+        self.min_new_tokens = min_new_tokens
         self.suppressed = torch.zeros(self.vocab, dtype=torch.bool, device=device)
         self.suppressed[self.vocab - 1024 :] = True
         self.suppressed[self.eos_id] = False
@@ -189,7 +191,7 @@ class BatchDecoder:
         seen = self.seen[rows]
         logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
         logits = logits.masked_fill(self.suppressed, float("-inf"))
-        logits[:, self.eos_id] = torch.where(frame < MIN_NEW_TOKENS, float("-inf"), logits[:, self.eos_id])
+        logits[:, self.eos_id] = torch.where(frame < self.min_new_tokens, float("-inf"), logits[:, self.eos_id])
         noise = self.noise(self.seed_hash[rows], frame * self.draws_per_frame, self.vocab)
         token = self.sample(logits, self.talker_sampling.select(rows), noise)
         seen.scatter_(1, token[:, None], True)  # a view of self.seen: only these rows change

@@ -61,6 +61,7 @@ class OmniTalkerConfig:
     text_config: TalkerTextConfig
     code_predictor_config: CodePredictorConfig = field(default_factory=CodePredictorConfig)
     thinker_hidden_size: int = 2048
+    codec_eos_token_id: int = 2150  # the released checkpoint's (transformers' class default differs)
 
     def __post_init__(self) -> None:
         if self.code_predictor_config.hidden_size != self.text_config.hidden_size:
@@ -71,7 +72,21 @@ class OmniTalkerConfig:
     def from_dict(cls, data: dict[str, Any]) -> "OmniTalkerConfig":
         return cls(TalkerTextConfig.from_dict(data.get("text_config") or {}),
                    CodePredictorConfig.from_dict(data.get("code_predictor_config") or {}),
-                   int(data.get("thinker_hidden_size", cls.thinker_hidden_size)))
+                   int(data.get("thinker_hidden_size", cls.thinker_hidden_size)),
+                   int(data.get("codec_eos_token_id", cls.codec_eos_token_id)))
+
+    # What the batched decode step reads (pipeline/engine/decoder.py), as the Qwen3-TTS talker has it.
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def num_code_groups(self) -> int:
+        return self.code_predictor_config.num_code_groups
 
 
 class OmniTalkerModel(Transformer):
