@@ -15,14 +15,14 @@ NORM_WEIGHT_KEYS = ("norm", "layer_scale", "scale")
 
 
 @torch.no_grad()
-def randomize_(module: nn.Module, generator: torch.Generator) -> None:
-    """Give every tensor of `module` a seeded, non-trivial value.
+def randomize_(module: nn.Module, generator: torch.Generator, buffers: bool = True) -> None:
+    """Give every tensor of `module` (its parameters only, without `buffers`) a seeded, non-trivial value.
 
     Default initialisation hides bugs: norm gains of exactly 1 make a missing norm invisible and
     zero biases make a dropped bias invisible. Weights get ~1/sqrt(fan_in) scale so activations
     stay O(1) through deep stacks; 1-D parameters get values around their typical magnitude.
     """
-    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+    for name, tensor in list(module.named_parameters()) + (list(module.named_buffers()) if buffers else []):
         if not tensor.is_floating_point():
             continue
         leaf = name.rsplit(".", 1)[-1]
@@ -293,8 +293,9 @@ def write_tiny_speech_tokenizer(directory: Path, seed: int, config: dict | None 
 
 @torch.no_grad()
 def randomize_code2wav_(model: nn.Module, g: torch.Generator) -> None:
-    """Seeded random weights for Qwen3-Omni's code2wav (ours or transformers', same names)."""
-    randomize_(model, g)
+    """Seeded random weights for Qwen3-Omni's code2wav (ours or transformers', same names; buffers
+    are left alone: transformers' rotary tables are buffers)."""
+    randomize_(model, g, buffers=False)
     for name, p in model.named_parameters():
         if name.endswith(("conv2.conv.weight", "conv2.conv.bias")):
             p.mul_(0.3)  # small residual branches keep the vocoder's activations O(1), as for the codec
