@@ -13,7 +13,6 @@ same seed alone and among other requests, graph against eager). Writes JSON and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import statistics

@@ -28,7 +28,7 @@ def _known_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k in names}
 
 
-def _rope_theta(data: dict[str, Any], default: float) -> float:
+def read_rope_theta(data: dict[str, Any], default: float) -> float:
     if "rope_theta" in data:
         return float(data["rope_theta"])
     return float((data.get("rope_parameters") or {}).get("rope_theta", default))
@@ -49,7 +49,7 @@ class CodePredictorConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CodePredictorConfig":
-        return cls(**{**_known_fields(cls, data), "rope_theta": _rope_theta(data, cls.rope_theta)})
+        return cls(**{**_known_fields(cls, data), "rope_theta": read_rope_theta(data, cls.rope_theta)})
 
 
 @dataclass
@@ -86,7 +86,7 @@ class TalkerConfig:
     def from_dict(cls, data: dict[str, Any]) -> "TalkerConfig":
         values = _known_fields(cls, data)
         values["code_predictor_config"] = CodePredictorConfig.from_dict(data.get("code_predictor_config") or {})
-        values["rope_theta"] = _rope_theta(data, cls.rope_theta)
+        values["rope_theta"] = read_rope_theta(data, cls.rope_theta)
         values["spk_id"] = dict(data.get("spk_id") or {})
         values["spk_is_dialect"] = dict(data.get("spk_is_dialect") or {})
         values["codec_language_id"] = dict(data.get("codec_language_id") or {})

@@ -23,6 +23,7 @@ from pipeline.codec.decoder import ConvNeXtBlock, DecoderBlock, DecoderTransform
 from pipeline.codec.streaming import CausalConv1d, LookaheadConvTranspose1d, StreamState, exact_float32_convolutions
 from pipeline.errors import CheckpointError
 from pipeline.loading import load_weights, read_json
+from pipeline.model import read_rope_theta
 
 WEIGHT_PREFIX = "code2wav."
 
@@ -34,7 +35,6 @@ class Code2WavConfig:
     codebook_size: int = 2048
     hidden_size: int = 1024
     max_position_embeddings: int = 8000
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     num_attention_heads: int = 16
     num_key_value_heads: int = 16
     attention_bias: bool = False
@@ -48,18 +48,16 @@ class Code2WavConfig:
     upsample_rates: list[int] = field(default_factory=lambda: [8, 5, 4, 3])
     upsampling_ratios: list[int] = field(default_factory=lambda: [2, 2])
     decoder_dim: int = 1536
-    rope_theta: float | None = None  # older configs give it at the top level
+    rope_theta: float = 10000.0  # in rope_parameters in transformers' configs
 
     def __post_init__(self) -> None:
         if self.hidden_act != "silu":
             raise CheckpointError(f"code2wav: unsupported hidden_act {self.hidden_act!r}")
-        if self.rope_theta is None:
-            self.rope_theta = float((self.rope_parameters or {}).get("rope_theta", 10000.0))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Code2WavConfig":
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in names})
+        return cls(**{**{k: v for k, v in raw.items() if k in names}, "rope_theta": read_rope_theta(raw, cls.rope_theta)})
 
     @property
     def head_dim(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import CheckpointError
-from pipeline.model import CodePredictor, CodePredictorConfig, ResizeMLP, Transformer, _rope_theta
+from pipeline.model import CodePredictor, CodePredictorConfig, ResizeMLP, Transformer, read_rope_theta
 from pipeline.omni.moe import SparseMoeBlock
 
 
@@ -51,7 +51,7 @@ class TalkerTextConfig:
         values = {k: v for k, v in data.items() if k in names}
         if "num_local_experts" in data:  # transformers writes num_experts under this name
             values["num_experts"] = data["num_local_experts"]
-        return cls(**{**values, "rope_theta": _rope_theta(data, cls.rope_theta)})
+        return cls(**{**values, "rope_theta": read_rope_theta(data, cls.rope_theta)})
 
 
 @dataclass
