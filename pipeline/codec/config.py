@@ -111,7 +111,7 @@ class DecoderConfig:
     def __post_init__(self) -> None:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if self.hidden_act != "silu":
-            raise CheckpointError(f"speech tokenizer decoder: unsupported hidden_act {self.hidden_act!r}")
+            raise CheckpointError(f"codec decoder: unsupported hidden_act {self.hidden_act!r}")
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DecoderConfig":

@@ -88,7 +88,18 @@ def _history(layer: nn.Module, x: torch.Tensor, state: StreamState, context: int
     return x
 
 
-class CausalConv1d(nn.Module):
+class _KeepsInputs(nn.Module):
+    """A conv layer whose stream state is its last `context` inputs (zeros at a stream's start)."""
+
+    conv: nn.Module
+    context: int
+
+    def init_state(self, batch_size: int, device, dtype):
+        if self.context:
+            return torch.zeros(batch_size, self.conv.in_channels, self.context, device=device, dtype=dtype)
+
+
+class CausalConv1d(_KeepsInputs):
     """Stride-1 conv whose left context is the stream's previous input (zeros at the start)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1):
@@ -96,17 +107,13 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
         self.context = (kernel_size - 1) * dilation
 
-    def init_state(self, batch_size: int, device, dtype):
-        if self.context:
-            return torch.zeros(batch_size, self.conv.in_channels, self.context, device=device, dtype=dtype)
-
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
         if self.context:
             x = _history(self, x, state, self.context)
         return self.conv(x)
 
 
-class CausalConvTranspose1d(nn.Module):
+class CausalConvTranspose1d(_KeepsInputs):
     """Transposed conv trimmed to exactly `stride` outputs per input step.
 
     Output step t depends on inputs t // stride and the (kernel-1) // stride inputs before it, so
@@ -120,10 +127,6 @@ class CausalConvTranspose1d(nn.Module):
         self.stride = stride
         self.context = (kernel_size - 1) // stride
 
-    def init_state(self, batch_size: int, device, dtype):
-        if self.context:
-            return torch.zeros(batch_size, self.conv.in_channels, self.context, device=device, dtype=dtype)
-
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
         n = x.shape[-1]
         if self.context:
@@ -132,7 +135,7 @@ class CausalConvTranspose1d(nn.Module):
         return self.conv(x)[..., start:start + n * self.stride]
 
 
-class LookaheadConvTranspose1d(nn.Module):
+class LookaheadConvTranspose1d(_KeepsInputs):
     """Transposed conv trimmed by kernel - stride on both sides, as Qwen3-Omni's code2wav: output
     step t depends on input t // stride and the `context` inputs before or after it, so offline
     decoding never makes the last (kernel - stride) outputs, and a stream's output lags its input
@@ -148,10 +151,6 @@ class LookaheadConvTranspose1d(nn.Module):
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.stride, self.trim = stride, kernel_size - stride
         self.context = -(-kernel_size // stride) - 1  # inputs whose outputs overlap the next input's
-
-    def init_state(self, batch_size: int, device, dtype):
-        if self.context:
-            return torch.zeros(batch_size, self.conv.in_channels, self.context, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
         n = x.shape[-1]

@@ -12,13 +12,14 @@ Parameter names are the official checkpoint's (`code2wav.*` in Qwen3-Omni's safe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipeline.codec.config import DecoderConfig
 from pipeline.codec.decoder import ConvNeXtBlock, DecoderBlock, DecoderTransformer, SnakeBeta
 from pipeline.codec.streaming import CausalConv1d, LookaheadConvTranspose1d, StreamState, exact_float32_convolutions
 from pipeline.errors import CheckpointError
@@ -29,44 +30,18 @@ WEIGHT_PREFIX = "code2wav."
 
 
 @dataclass
-class Code2WavConfig:
-    """`code2wav_config` in Qwen3-Omni's config.json (defaults: transformers' `Qwen3OmniMoeCode2WavConfig`)."""
+class Code2WavConfig(DecoderConfig):
+    """`code2wav_config` in Qwen3-Omni's config.json: the Qwen3-TTS codec decoder's keys, with the
+    defaults of transformers' `Qwen3OmniMoeCode2WavConfig` (`codebook_dim` and `latent_dim` are
+    not read: no RVQ, no projections here)."""
 
-    codebook_size: int = 2048
     hidden_size: int = 1024
-    max_position_embeddings: int = 8000
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 16
-    attention_bias: bool = False
-    sliding_window: int = 72
     intermediate_size: int = 3072
-    hidden_act: str = "silu"
-    layer_scale_initial_scale: float = 0.01
-    rms_norm_eps: float = 1e-5
-    num_hidden_layers: int = 8
-    num_quantizers: int = 16
-    upsample_rates: list[int] = field(default_factory=lambda: [8, 5, 4, 3])
-    upsampling_ratios: list[int] = field(default_factory=lambda: [2, 2])
-    decoder_dim: int = 1536
-    rope_theta: float = 10000.0  # in rope_parameters in transformers' configs
-
-    def __post_init__(self) -> None:
-        if self.hidden_act != "silu":
-            raise CheckpointError(f"code2wav: unsupported hidden_act {self.hidden_act!r}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Code2WavConfig":
         names = {f.name for f in fields(cls)}
         return cls(**{**{k: v for k, v in raw.items() if k in names}, "rope_theta": read_rope_theta(raw, cls.rope_theta)})
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def upsample(self) -> int:
-        """Output samples per code frame."""
-        return math.prod(self.upsample_rates) * math.prod(self.upsampling_ratios)
 
     @property
     def lookahead(self) -> int:
