@@ -17,6 +17,7 @@ SAMPLE_RATE = 24000
 MIN_SECONDS = 1.0
 MAX_SECONDS = 30.0
 MAX_CHANNELS = 8
+MIN_MESSAGE_SECONDS = 0.1
 SILENCE_PEAK = 1e-4  # ~-80 dBFS: below this no voice can be heard, let alone cloned
 
 AudioSource = str | Path | tuple[np.ndarray, int] | tuple[int, np.ndarray]
@@ -51,11 +52,11 @@ def load_reference_audio(source: AudioSource) -> np.ndarray:
     return np.ascontiguousarray(wav, dtype=np.float32)
 
 
-def _read_file(path: Path) -> tuple[np.ndarray, int]:
+def _read_file(path: Path, what: str = "reference audio") -> tuple[np.ndarray, int]:
     if not path.exists():
-        raise TTSInputError(f"The reference audio file {path} does not exist.")
+        raise TTSInputError(f"The {what} file {path} does not exist.")
     if not path.is_file():
-        raise TTSInputError(f"The reference audio path {path} is a directory, not an audio file.")
+        raise TTSInputError(f"The {what} path {path} is a directory, not an audio file.")
     import librosa
     import soundfile as sf
 
@@ -73,6 +74,27 @@ def _read_file(path: Path) -> tuple[np.ndarray, int]:
         raise TTSInputError(
             f"The file {path.name} could not be read as audio; upload a WAV, FLAC, OGG or MP3 recording."
         ) from e
+
+
+def load_message_audio(source: AudioSource, sample_rate: int, max_seconds: float) -> np.ndarray:
+    """A spoken chat message (file or in-memory clip, as `load_reference_audio` takes them) as
+    float32 mono at `sample_rate`; TTSInputError for an unreadable, empty, silent or too long one."""
+    wav, sr = _from_tuple(source) if isinstance(source, tuple) else _read_file(Path(source), "audio message")
+    wav = _to_mono(wav) if wav.size else wav.reshape(-1)
+    if wav.size < sr * MIN_MESSAGE_SECONDS:
+        raise TTSInputError(f"The audio message is empty or shorter than {MIN_MESSAGE_SECONDS:g} s; record or upload some speech.")
+    if not np.isfinite(wav).all():
+        raise TTSInputError("The audio message contains NaN or infinite sample values.")
+    if wav.size / sr > max_seconds:
+        raise TTSInputError(f"The audio message is {math.ceil(wav.size / sr * 10) / 10:.1f} s long but may be at most {max_seconds:g} s; "
+                            "send a shorter clip.")
+    if float(np.abs(wav).max()) < SILENCE_PEAK:
+        raise TTSInputError("The audio message is silent; record or upload a clip in which the voice is audible.")
+    if sr != sample_rate:
+        import librosa
+
+        wav = librosa.resample(wav, orig_sr=sr, target_sr=sample_rate)
+    return np.ascontiguousarray(wav, dtype=np.float32)
 
 
 def _from_tuple(source: tuple) -> tuple[np.ndarray, int]:

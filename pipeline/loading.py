@@ -35,11 +35,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
-def resolve_checkpoint(source: str) -> Path:
+def resolve_checkpoint(source: str, required: tuple[str, ...] = REQUIRED_FILES) -> Path:
     """A local directory as it is, or a Hub id downloaded (or found in the cache); checked for every file."""
     path = Path(source).expanduser()
     directory = path if path.is_dir() else _download(source)
-    missing = [name for name in REQUIRED_FILES if not (directory / name).is_file()]
+    missing = [name for name in required if not (directory / name).is_file()]
     if not (directory / WEIGHTS).is_file() and not (directory / WEIGHTS_INDEX).is_file():
         missing.insert(0, WEIGHTS)
     if missing:

@@ -1,4 +1,5 @@
 """Tiny random-weight checkpoints in the official layout, for tests and the app's offline mode."""
+import itertools
 import json
 import math
 from pathlib import Path
@@ -300,3 +301,131 @@ def randomize_code2wav_(model: nn.Module, g: torch.Generator) -> None:
         if name.endswith(("conv2.conv.weight", "conv2.conv.bias")):
             p.mul_(0.3)  # small residual branches keep the vocoder's activations O(1), as for the codec
     derive_all_(model)
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen3-Omni
+
+# Qwen3-Omni's special tokens in id order from 151643, as its tokenizer has them (the tokenizers
+# library numbers added tokens consecutively after the vocabulary, so every one is listed).
+OMNI_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+    "<tts_text_bos_single>", "<|audio_pad|>",
+)
+OMNI_FIRST_SPECIAL_ID = 151643
+OMNI_VOCAB_SIZE = 151936
+OMNI_SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+OMNI_GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+OMNI_FEATURE_EXTRACTOR = {
+    "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "sampling_rate": 16000, "hop_length": 160,
+    "chunk_length": 300, "n_fft": 400, "padding_side": "right", "padding_value": 0.0, "return_attention_mask": True, "dither": 0.0,
+}
+
+
+def _pseudo_words(count: int, taken: set[str]) -> list[str]:
+    """`count` distinct pronounceable byte-level tokens (" bako", " tulimesa", ...) that fill the
+    vocabulary up to the real special-token ids; the tiny BPE never produces them, a random
+    thinker writes them as its words."""
+    syllables = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]
+    words = []
+    for n in (2, 3, 4):
+        for parts in itertools.product(syllables, repeat=n):
+            word = "\u0120" + "".join(parts)  # Ġ: byte-level BPE's leading space
+            if word not in taken:
+                words.append(word)
+                if len(words) == count:
+                    return words
+    raise ValueError("not enough pseudo-words")
+
+
+def write_tiny_omni_tokenizer(directory: Path, merges: int = 300) -> dict[str, int]:
+    """Qwen2Tokenizer files whose special tokens sit at Qwen3-Omni's real ids (151643...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + merges, initial_alphabet=alphabet, show_progress=False)
+    bpe.train_from_iterator([TOKENIZER_CORPUS + "system " * 8] * 20, trainer)  # the chat roles as single tokens
+    model = json.loads(bpe.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    for word in _pseudo_words(OMNI_FIRST_SPECIAL_ID - len(vocab), set(vocab)):
+        vocab[word] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    merge_lines = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merge_lines) + "\n", encoding="utf-8")
+    special_ids = {token: OMNI_FIRST_SPECIAL_ID + i for i, token in enumerate(OMNI_SPECIAL_TOKENS)}
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+             for t, i in special_ids.items()}
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer", "added_tokens_decoder": added, "additional_special_tokens": list(OMNI_SPECIAL_TOKENS[1:]),
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace",
+        "model_max_length": 65536, "clean_up_tokenization_spaces": False, "split_special_tokens": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return {**special_ids, **{word: vocab[word] for word in ("system", "user", "assistant")}}
+
+
+def tiny_omni_config(ids: dict[str, int]) -> dict:
+    """A Qwen3-Omni config.json with every part small, the released checkpoint's ids and structure
+    (sparse MoE thinker and talker with a shared expert, audio and vision encoders, code2wav)."""
+    thinker = {
+        "text_config": {
+            "vocab_size": OMNI_VOCAB_SIZE, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+            "norm_topk_prob": True, "max_position_embeddings": 65536,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 1, 1], "interleaved": True},
+        },
+        "audio_config": {"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 48, "output_dim": 32,
+                         "downsample_hidden_size": 16, "num_mel_bins": 128},
+        "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 32,
+                          "deepstack_visual_indexes": [0]},
+        "audio_token_id": ids["<|audio_pad|>"], "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "audio_start_token_id": ids["<|audio_start|>"], "vision_start_token_id": ids["<|vision_start|>"],
+        "position_id_per_seconds": 13, "user_token_id": ids["user"],
+    }
+    talker = {
+        "text_config": {"vocab_size": 3072, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 3,
+                        "shared_expert_intermediate_size": 24, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+        "code_predictor_config": {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 2048, "num_code_groups": 16},
+        "thinker_hidden_size": 32, "num_code_groups": 16, "accept_hidden_layer": 2, "spatial_merge_size": 2,
+        "audio_token_id": ids["<|audio_pad|>"], "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "audio_start_token_id": ids["<|audio_start|>"], "vision_start_token_id": ids["<|vision_start|>"], "position_id_per_seconds": 13,
+        "codec_eos_token_id": 2150, "codec_nothink_id": 2155, "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
+        "codec_pad_id": 2148, "codec_bos_id": 2149, "speaker_id": OMNI_SPEAKERS,
+    }
+    code2wav = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 48,
+                "decoder_dim": 32, "sliding_window": 16}
+    return {
+        "thinker_config": thinker, "talker_config": talker, "code2wav_config": code2wav, "enable_audio_output": True,
+        "im_start_token_id": ids["<|im_start|>"], "im_end_token_id": ids["<|im_end|>"], "system_token_id": ids["system"],
+        "user_token_id": ids["user"], "assistant_token_id": ids["assistant"],
+        "tts_pad_token_id": ids["<tts_pad>"], "tts_bos_token_id": ids["<tts_text_bos>"], "tts_eos_token_id": ids["<tts_text_eod>"],
+    }
+
+
+@torch.no_grad()
+def write_tiny_omni_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """A small random Qwen3-Omni in the official layout (transformers writes config.json and the
+    per-expert safetensors), loadable by `OmniChat.from_pretrained`."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = write_tiny_omni_tokenizer(directory)
+    config = Qwen3OmniMoeConfig(**tiny_omni_config(ids))
+    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    randomize_(model, g, buffers=False)  # the rotary tables are buffers; transformers leaves the fused experts uninitialised
+    randomize_code2wav_(model.code2wav, g)
+    model.save_pretrained(directory)
+    (directory / "generation_config.json").write_text(json.dumps(OMNI_GENERATION_CONFIG, indent=2), encoding="utf-8")
+    (directory / "preprocessor_config.json").write_text(json.dumps(OMNI_FEATURE_EXTRACTOR, indent=2), encoding="utf-8")
+    return directory

@@ -78,7 +78,7 @@ class TTS:
             decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled)
             lanes = vocoder_lanes or VOCODER_LANES.get(self.device.type, 1)
             vocoder = speech_tokenizer.multi_stream_decoder(self.rows, use_cuda_graphs, lanes)
-            self.engine = Engine(decoder, vocoder, SAMPLES_PER_FRAME, max_queue=max_queue)
+            self.engine = Engine(decoder, vocoder, max_queue=max_queue)
 
     @classmethod
     def from_pretrained(cls, source: str, device: str = "cpu", dtype: str = "float32", **options) -> "TTS":

@@ -21,6 +21,14 @@ def tiny_checkpoints(tmp_path_factory):
     return {kind: write_tiny_checkpoint(root / kind, kind, seed=0) for kind in ("base", "custom_voice", "voice_design")}
 
 
+@pytest.fixture(scope="session")
+def tiny_omni(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-Omni checkpoint in the official layout, written once per session."""
+    from pipeline.tiny import write_tiny_omni_checkpoint
+
+    return write_tiny_omni_checkpoint(tmp_path_factory.mktemp("tiny") / "omni", seed=0)
+
+
 def voice_like(seconds: float, sample_rate: int = 24000, seed: int = 0) -> np.ndarray:
     """A deterministic voice-like test signal: a gliding harmonic series with noise and syllable-rate envelope."""
     rng = np.random.default_rng(seed)

@@ -1,69 +1,39 @@
-"""Qwen3-Omni end to end on a tiny random model (CPU, fp32, greedy): transformers' thinker writes
-the reply; our talker prompt, our batched decode step and our code2wav speak it. Same reply, same
-codec codes and the same waveform as `Qwen3OmniMoeForConditionalGeneration.generate`."""
+"""Qwen3-Omni end to end on a tiny random checkpoint (CPU, fp32, greedy): our chat loop (the
+checkpoint loaded by our loader; transformers' thinker driven token by token; our talker prompt,
+batched decode step with text streamed in, and code2wav as the engine's vocoder) gives the same
+reply, the same codec codes and the same waveform as `Qwen3OmniMoeForConditionalGeneration.generate`
+of the same checkpoint."""
+import contextlib
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
 
-from pipeline.engine.decoder import BatchDecoder
-from pipeline.engine.sampling import SamplingConfig
-from pipeline.omni import Code2Wav, Code2WavConfig, OmniTalker, OmniTalkerConfig, PromptIds, assistant_part, decode, text_specials, user_part
-from pipeline.tiny import randomize_, randomize_code2wav_
+from pipeline.omni import ChatRequest, OmniChat, Turn
+from pipeline.omni.conversation import build_inputs
+from tests.conftest import voice_like
 
-IM_START, IM_END, USER, ASSISTANT, SYSTEM, NL = 151644, 151645, 872, 77091, 8948, 198
-AUDIO, AUDIO_START, AUDIO_END = 151646, 151669, 151670
-MEL_FRAMES, AUDIO_TOKENS = 100, 13  # one second of 128-bin log-mel at 100 Hz -> 13 audio positions
-REPLY_TOKENS, TALKER_TOKENS = 12, 30
-THINKER = dict(
-    text_config=dict(vocab_size=151936, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 1, 1], "interleaved": True}),
-    audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=48, output_dim=32, downsample_hidden_size=16),
-    vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, deepstack_visual_indexes=[0]),
-    audio_start_token_id=151669, vision_start_token_id=151652,
-)
-TALKER = dict(
-    text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3, shared_expert_intermediate_size=24),
-    code_predictor_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               head_dim=8, vocab_size=2048, num_code_groups=16),
-    thinker_hidden_size=32, num_code_groups=16, accept_hidden_layer=2, spatial_merge_size=2,
-    # The released checkpoint's ids (transformers' class defaults differ).
-    codec_eos_token_id=2150, codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157, codec_pad_id=2148,
-    codec_bos_id=2149, speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303},
-)
-CODE2WAV = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, intermediate_size=48, decoder_dim=32,
-                sliding_window=16)
+TALKER_FRAMES = 29
+SYSTEM = "You are a helpful voice assistant."
 
 
 @pytest.fixture(scope="module")
-def reference() -> Qwen3OmniMoeForConditionalGeneration:
-    config = Qwen3OmniMoeConfig(thinker_config=THINKER, talker_config=TALKER, code2wav_config=CODE2WAV, enable_audio_output=True)
-    config.code2wav_config._attn_implementation = "eager"
-    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        randomize_(model, g, buffers=False)  # the rotary tables are buffers; the fused experts start uninitialised
-        randomize_code2wav_(model.code2wav, g)  # a vocoder whose activations stay O(1), as in the code2wav tests
+def reference(tiny_omni) -> Qwen3OmniMoeForConditionalGeneration:
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(tiny_omni)).eval()
+    model.code2wav.config._attn_implementation = "eager"  # equal to sdpa here; eager is the plainest
     return model
 
 
-def _conversation(*user_texts: list[int], system: list[int] | None = None, answers: list[list[int]] = ()) -> torch.Tensor:
-    ids = [IM_START, SYSTEM, NL, *system, IM_END, NL] if system else []
-    for i, text in enumerate(user_texts):
-        ids += [IM_START, USER, NL, *text, IM_END, NL]
-        if i < len(answers):
-            ids += [IM_START, ASSISTANT, NL, *answers[i], IM_END, NL]
-    return torch.tensor([ids + [IM_START, ASSISTANT, NL]])
+@pytest.fixture(scope="module")
+def chat(tiny_omni) -> OmniChat:
+    return OmniChat.from_pretrained(str(tiny_omni))
 
 
-def _audio(seconds_seed: int) -> dict[str, torch.Tensor]:
-    features = torch.randn(1, 128, MEL_FRAMES, generator=torch.Generator().manual_seed(seconds_seed))
-    return {"input_features": features, "feature_attention_mask": torch.ones(1, MEL_FRAMES, dtype=torch.long)}
-
-
-def _transformers(model, input_ids: torch.Tensor, speaker: str, media: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _transformers(model, chat: OmniChat, request: ChatRequest, reply_tokens: int):
+    """transformers' generate on the same ids and features; its codes are caught on the way to code2wav."""
+    inputs = build_inputs(chat.tokenizer, chat.feature_extractor, request.turns, request.system, 4096)
     captured = {}
     chunked = model.code2wav.chunked_decode
 
@@ -73,60 +43,97 @@ def _transformers(model, input_ids: torch.Tensor, speaker: str, media: dict) -> 
 
     model.code2wav.chunked_decode = capture
     try:
-        sequences, wav = model.generate(input_ids, speaker=speaker, thinker_max_new_tokens=REPLY_TOKENS, thinker_do_sample=False,
-                                        talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS, **media)
+        sequences, wav = model.generate(inputs.input_ids, speaker=request.speaker, thinker_max_new_tokens=reply_tokens, thinker_do_sample=False,
+                                        talker_do_sample=False, talker_max_new_tokens=request.max_frames + 1, **inputs.features)
     finally:
         model.code2wav.chunked_decode = chunked
-    return sequences[0, input_ids.shape[1]:], captured["codes"][0].T, wav.reshape(-1)
+    return sequences[0, inputs.input_ids.shape[1]:].tolist(), captured["codes"][0].T.numpy(), wav.reshape(-1).numpy()
 
 
-def _ours(model, input_ids: torch.Tensor, speaker: str, media: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    config = model.config
-    talker = OmniTalker(OmniTalkerConfig.from_dict(config.talker_config.to_dict())).eval()
-    talker.load_state_dict(model.talker.state_dict(), strict=True)
-    code2wav = Code2Wav(Code2WavConfig.from_dict(config.code2wav_config.to_dict())).eval()
-    code2wav.load_state_dict(model.code2wav.state_dict(), strict=True)
-    ids = PromptIds.from_config(config.to_dict())
-
-    # The thinker (transformers' own): the reply, with its input embeddings and layer-`accept` states.
-    result = model.thinker.generate(input_ids, max_new_tokens=REPLY_TOKENS, do_sample=False, eos_token_id=IM_END,
-                                    output_hidden_states=True, return_dict_in_generate=True, **media)
-    length = input_ids.shape[1]
-    reply = result.sequences[0, length:]
-    embeds = torch.cat([h[0] for h in result.hidden_states], dim=1)[0]
-    hidden = torch.cat([h[config.talker_config.accept_hidden_layer] for h in result.hidden_states], dim=1)[0]
-
-    specials = text_specials(talker, model.thinker.get_input_embeddings(), ids)
-    prompt = torch.cat([user_part(talker, input_ids[0], embeds[:length], hidden[:length], ids),
-                        assistant_part(talker, embeds[length - 3:length + 1], specials, ids.speaker(speaker), ids)])
-    # One text token per frame after the first (in the prompt); the last token made, <|im_end|>, is never fed.
-    trailing = torch.cat([talker.text_projection(embeds[length + 1:]), specials[2:3]])
-    decoder = BatchDecoder(talker, specials[0], rows=2, max_seq=128, use_cuda_graphs=False, min_new_tokens=0)
-    decoder.start(0, prompt[None], trailing, True, SamplingConfig(repetition_penalty=1.05).greedy(), 0, TALKER_TOKENS - 1)
-    codes = []
-    while True:
-        produced, step_codes, token = decoder.step()
-        if not produced[0]:
-            break
-        codes.append(step_codes[0].clone())
-    codes = torch.stack(codes)
-    return reply, codes, decode(code2wav, codes)
+def _request(*messages: str | tuple, speaker: str = "Ethan", system: str = SYSTEM, replies: tuple[str, ...] = (), reply_tokens: int = 12,
+             frames: int = TALKER_FRAMES):
+    turns = []
+    for i, message in enumerate(messages):
+        text, audio = (message, None) if isinstance(message, str) else message
+        turns.append(Turn("user", text, audio))
+        if i < len(replies):
+            turns.append(Turn("assistant", replies[i]))
+    return ChatRequest(turns, system=system, speaker=speaker, greedy=True, max_new_tokens=reply_tokens, max_frames=frames)
 
 
-AUDIO_MESSAGE = [AUDIO_START, *[AUDIO] * AUDIO_TOKENS, AUDIO_END, 601, 602]  # the audio first, then the text
-
-
-@pytest.mark.parametrize("name, input_ids, speaker, media", [
-    ("short message", _conversation([101, 102, 103]), "Ethan", {}),
-    ("with a system prompt", _conversation([201, 202], system=[301, 302, 303]), "Chelsie", {}),
-    ("second turn", _conversation([101, 102, 103], [401, 402], answers=[[501, 502, 503, 504]]), "Aiden", {}),
-    ("audio message", _conversation(AUDIO_MESSAGE), "Ethan", _audio(3)),
-])
-def test_reply_codes_and_waveform_equal_transformers(reference, name, input_ids, speaker, media):
-    with torch.no_grad():
-        reply, codes, wav = _transformers(reference, input_ids, speaker, media)
-        our_reply, our_codes, our_wav = _ours(reference, input_ids, speaker, media)
-    assert torch.equal(our_reply, reply) and len(reply) > 3
+def _check(reference, chat, request, ended: bool):
+    # A reply cut at N tokens is spoken whole by ours; transformers drops the last generated token
+    # from the talker's text (it is never fed back to the thinker), so it is given one more.
+    expected_tokens, codes, wav = _transformers(reference, chat, request, request.max_new_tokens + (0 if ended else 1))
+    reply = chat.reply(request)
+    assert reply.tokens == expected_tokens[:len(reply.tokens)]
+    assert (reply.tokens[-1] == chat.im_end) == ended
     assert len(codes) > 5 and len(set(codes[:, 0].tolist())) > 3
-    assert torch.equal(our_codes, codes)
-    assert our_wav.shape == wav.shape and (our_wav - wav).abs().max() <= 1e-5
+    assert np.array_equal(reply.codes, codes)
+    assert reply.audio.shape == wav.shape and np.abs(reply.audio - wav).max() <= 1e-5
+    return reply
+
+
+AUDIO = (voice_like(1.3, 16000, seed=3), )
+
+
+@pytest.mark.parametrize("name, request_", [
+    ("short message", _request("Hello there, how are you?")),
+    ("no system prompt", _request("The quick brown fox.", system="")),
+    ("second turn", _request("Hello there.", "Tell me more, please.", replies=("This is a tiny test voice.",), speaker="Aiden")),
+    ("audio message", _request(("", AUDIO[0]))),
+    ("audio then text", _request(("What did I say?", AUDIO[0]), speaker="Chelsie")),
+    ("long answer", _request("Speak slowly and warmly.", reply_tokens=60, frames=80)),
+])
+def test_reply_codes_and_waveform_equal_transformers(reference, chat, name, request_):
+    with torch.no_grad():
+        reply = _check(reference, chat, request_, ended=False)
+    assert len(reply.tokens) == request_.max_new_tokens
+
+
+@pytest.mark.parametrize("speaker", ["Chelsie", "Ethan", "Aiden"])
+def test_each_speaker_equals_transformers(reference, chat, speaker):
+    with torch.no_grad():
+        _check(reference, chat, _request("Numbers 0 1 2 3.", speaker=speaker), ended=False)
+
+
+def test_speakers_give_different_speech(chat):
+    codes = {name: chat.reply(_request("Numbers 0 1 2 3.", speaker=name)).codes for name in chat.speakers}
+    assert not np.array_equal(codes["Chelsie"], codes["Ethan"]) and not np.array_equal(codes["Ethan"], codes["Aiden"])
+
+
+@contextlib.contextmanager
+def _reply_ends_after(models: list, chat: OmniChat, request: ChatRequest, tokens: int):
+    """Set the thinker's <|im_end|> row of lm_head from its final states in this reply, so that the greedy reply is `tokens` tokens and then <|im_end|> (in every model given; undone after)."""
+    heads = [m.lm_head for m in models]
+    states = []
+    hook = chat.thinker.model.lm_head.register_forward_hook(lambda module, args, out: states.append(args[0][0, -1].clone()))
+    try:
+        with torch.no_grad():
+            chat.reply(dataclasses.replace(request, max_new_tokens=tokens + 1))
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        # The row whose logit is the highest at reply token `tokens` and the lowest before it.
+        logits = [heads[0](h[None])[0] for h in states[:tokens + 1]]
+        wanted = torch.stack([lg.min() - 5.0 for lg in logits[:-1]] + [logits[-1].max() + 5.0])
+        row = torch.linalg.pinv(torch.stack(states[:tokens + 1])) @ wanted
+    saved = heads[0].weight[chat.im_end].clone()
+    with torch.no_grad():
+        for head in heads:
+            head.weight[chat.im_end] = row
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for head in heads:
+                head.weight[chat.im_end] = saved
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_reply_ending_in_im_end_equals_transformers(reference, chat, tokens):
+    """A one-token answer and a short one, each ended by the thinker's <|im_end|>, which is never spoken."""
+    request = _request("Hello there, how are you?", reply_tokens=20)
+    with _reply_ends_after([reference.thinker, chat.thinker.model], chat, request, tokens), torch.no_grad():
+        reply = _check(reference, chat, request, ended=True)
+    assert len(reply.tokens) == tokens + 1

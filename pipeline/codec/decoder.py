@@ -374,7 +374,11 @@ class MultiStreamDecoder:
             self.store = {dtype: torch.zeros(streams, t.shape[1], dtype=dtype, device=t.device) for dtype, t in self.work[0].flat.items()}
             self.row_in = [torch.zeros(1, dtype=torch.long, device=decoder.device) for _ in range(self.lanes)]
         self.use_cuda_graphs = use_cuda_graphs and decoder.device.type == "cuda"
-        self.graphs: dict[tuple[int, int], tuple[CUDAGraphed, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[CUDAGraphed, torch.Tensor]] = {}
+        # A decoder whose output lags its input (Qwen3-Omni's code2wav) makes `lookahead` fewer
+        # samples in a stream's first call; which rows have had theirs is known on the host.
+        self.lookahead = getattr(decoder.config, "lookahead", 0)
+        self.started = [False] * streams
 
     @property
     def device(self) -> torch.device:
@@ -384,13 +388,23 @@ class MultiStreamDecoder:
     def decode(self, row: int, codes: torch.Tensor, out: torch.Tensor, lane: int = 0) -> None:
         """codes: LongTensor [n, 16] (any device; pinned host memory copies without waiting) ->
         `out` [n * 1920] (float32, any device), the next n frames of `row`'s stream, decoded in `lane`."""
-        hop, done = self.decoder.config.upsample, 0
+        done, written = 0, 0
         for n in self.pieces(codes.shape[0]):
-            graph, codes_in = self.graphs.get((lane, n)) or self.capture(n, lane)  # a capture moves row_in: set it after
+            first = self.lookahead > 0 and not self.started[row]
+            graph, codes_in = self.graphs.get((lane, n, first)) or self.capture(n, lane, first)  # a capture moves row_in: set it after
             self.row_in[lane].fill_(row)
             codes_in[0].copy_(codes[done:done + n], non_blocking=True)
-            out[done * hop:(done + n) * hop].copy_(graph(), non_blocking=True)
-            done += n
+            samples = self._call_samples(n, first)
+            out[written:written + samples].copy_(graph(), non_blocking=True)
+            self.started[row] = True
+            done, written = done + n, written + samples
+
+    def output_samples(self, row: int, frames: int) -> int:
+        """Samples that `decode(row, ...)` of `frames` frames writes now (before the call)."""
+        return self._call_samples(frames, self.lookahead > 0 and not self.started[row])
+
+    def _call_samples(self, frames: int, first: bool) -> int:
+        return frames * self.decoder.config.upsample - (self.lookahead if first else 0)
 
     @classmethod
     def pieces(cls, frames: int) -> list[int]:
@@ -402,8 +416,9 @@ class MultiStreamDecoder:
                 frames -= size
         return sizes
 
-    def _decode_stored_row(self, codes_in: torch.Tensor, lane: int) -> torch.Tensor:
+    def _decode_stored_row(self, codes_in: torch.Tensor, lane: int, first: bool) -> torch.Tensor:
         work, row_in = self.work[lane], self.row_in[lane]
+        work.started = not first  # host side: chosen when the graph is captured
         for dtype, flat in work.flat.items():
             torch.index_select(self.store[dtype], 0, row_in, out=flat)
         audio = self.decoder(codes_in, work)[0, 0].float()
@@ -412,29 +427,32 @@ class MultiStreamDecoder:
         return audio
 
     @torch.inference_mode()
-    def capture(self, frames: int | None = None, lane: int = 0) -> tuple[CUDAGraphed, torch.Tensor]:
-        """The call for `frames` frames in `lane` (every size of every lane when None), as a CUDA
-        graph (captured now) where graphs are on. Capture runs the decoder for real on row 0, whose
+    def capture(self, frames: int | None = None, lane: int = 0, first: bool = False) -> tuple[CUDAGraphed, torch.Tensor]:
+        """The call for `frames` frames in `lane` (every size of every lane when None; `first`: a
+        stream's first call, which differs where the decoder looks ahead), as a CUDA graph
+        (captured now) where graphs are on. Capture runs the decoder for real on row 0, whose
         state is put back afterwards."""
         if frames is None:
             for lane in range(self.lanes):
                 for n in self.CALL_SIZES:
-                    self.capture(n, lane)
-            return self.graphs[(0, self.CALL_SIZES[-1])]
+                    for first in {False, self.lookahead > 0}:
+                        self.capture(n, lane, first)
+            return self.graphs[(0, self.CALL_SIZES[-1], False)]
         codes_in = torch.zeros(1, frames, self.decoder.config.num_quantizers, dtype=torch.long, device=self.device)
-        graph = CUDAGraphed(lambda: self._decode_stored_row(codes_in, lane), self.use_cuda_graphs)
+        graph = CUDAGraphed(lambda: self._decode_stored_row(codes_in, lane, first), self.use_cuda_graphs)
         if graph.enabled:
             self.row_in[lane].zero_()
             saved = {dtype: t[0].clone() for dtype, t in self.store.items()}
             graph.capture()
             for dtype, t in self.store.items():
                 t[0].copy_(saved[dtype])
-        self.graphs[(lane, frames)] = (graph, codes_in)
-        return self.graphs[(lane, frames)]
+        self.graphs[(lane, frames, first)] = (graph, codes_in)
+        return self.graphs[(lane, frames, first)]
 
     @torch.inference_mode()
     def reset_row(self, row: int, primed: list[torch.Tensor] | None = None) -> None:
         """Start a new stream in `row`: from scratch, or from a one-stream state (`primed_state`)."""
+        self.started[row] = primed is not None
         if primed is None:
             for t in self.store.values():
                 t[row].zero_()

@@ -253,10 +253,9 @@ class Engine:
     """Owns a model's decode state (BatchDecoder), its vocoder streams, two CUDA streams, the
     scheduler thread and the delivery thread."""
 
-    def __init__(self, decoder: BatchDecoder, vocoder: MultiStreamDecoder, samples_per_frame: int, max_queue: int = 64, prefills_per_frame: int = 4):
+    def __init__(self, decoder: BatchDecoder, vocoder: MultiStreamDecoder, max_queue: int = 64, prefills_per_frame: int = 4):
         self.decoder, self.vocoder = decoder, vocoder
         self.rows = decoder.rows
-        self.samples_per_frame = samples_per_frame
         self.max_queue, self.prefills_per_frame = max_queue, prefills_per_frame
         self.device = decoder.codes.device
         self.cuda = self.device.type == "cuda"
@@ -515,7 +514,7 @@ class Engine:
         if not state.codes:
             return
         codes = np.stack(state.codes)
-        audio = torch.empty(len(codes) * self.samples_per_frame, pin_memory=self.cuda)
+        audio = torch.empty(self.vocoder.output_samples(state.row, len(codes)), pin_memory=self.cuda)
         timer, done = _Timer(self.cuda), torch.cuda.Event() if self.cuda else None
         lane = self._vocoder_lane(state)
         with self._vocoder_stream(state.row, lane):

@@ -1,0 +1,386 @@
+"""Omni chat, the entry point: a Qwen3-Omni checkpoint answers a conversation in streamed text and
+streamed speech.
+
+The thinker (transformers' module) writes the reply one token at a time on the caller's side; each
+token goes to the chat at once and to the talker, which runs on the engine (one row of the batched
+CUDA-graph decode step per conversation, code2wav as its per-listener vocoder). The talker's
+prompt is made from the thinker's prefill and the first token; after it, one token per frame, as
+the thinker writes them: when the thinker is behind, the talker's row waits (the engine's streamed
+text); after the last token, tts_eos once, then tts_pad until the talker ends the speech.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.codec import MultiStreamDecoder
+from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, Engine, Handle, Job, Queued, SamplingConfig, Segment
+from pipeline.errors import CheckpointError, TTSInputError
+from pipeline.loading import read_json, resolve_checkpoint, torch_device, torch_dtype
+from pipeline.omni.code2wav import Code2Wav
+from pipeline.omni.conversation import ThinkerInputs, Turn, build_inputs
+from pipeline.omni.prompt import PromptIds, assistant_part, text_specials, user_part
+from pipeline.omni.talker import OmniTalker, OmniTalkerConfig
+from pipeline.omni.thinker import Thinker, ThinkerSampling
+
+log = logging.getLogger(__name__)
+
+HUB_ID = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+REQUIRED_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json", "preprocessor_config.json")
+DEFAULT_SPEAKER = "Ethan"
+DEFAULT_SYSTEM_PROMPT = (
+    "You are Qwen-Omni, a smart voice assistant created by Alibaba Qwen. You are communicating with the user by voice: "
+    "keep your replies short and conversational, and do not use formatting, lists or emoji, which cannot be spoken."
+)
+MAX_PROMPT = 4096  # thinker positions of the conversation; older turns are dropped beyond
+DEFAULT_MAX_NEW_TOKENS = 1024
+DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once
+TALKER_MAX_SEQ = 8192  # talker positions per conversation: the user turns + 9 + frames
+FRAME_SECONDS = 0.08
+# The talker samples as transformers' Qwen3-Omni generate does; its code predictor with top-k 50, top-p 0.8.
+TALKER_SAMPLING = SamplingConfig(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
+                                 subtalker_dosample=True, subtalker_temperature=1.0, subtalker_top_k=50, subtalker_top_p=0.8)
+BYTES_PER_PARAMETER = {torch.bfloat16: 2, torch.float32: 4}
+GPU_HEADROOM = 1.15  # caches, activations, CUDA graphs and the allocator's slack on top of the weights
+
+
+@dataclass
+class ChatRequest:
+    turns: list[Turn]  # the conversation so far, ending with the user's new message
+    system: str = DEFAULT_SYSTEM_PROMPT
+    speaker: str = DEFAULT_SPEAKER
+    greedy: bool = False  # thinker, talker and code predictor greedy (the talker's repetition penalty stays)
+    seed: int | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_frames: int | None = None  # speech frames (80 ms); None: as many as the reply needs
+    schedule: tuple[int, ...] = DEFAULT_SCHEDULE
+
+
+@dataclass
+class TextDelta:
+    """New reply text: tokens first_token..last_token (token k is spoken in speech frame k)."""
+
+    first_token: int
+    last_token: int
+    text: str
+    elapsed_ms: float  # since the request started
+
+
+@dataclass
+class ChatEnd:
+    text: str  # the reply as the tokenizer decodes it, special tokens skipped
+    tokens: list[int]  # the reply's token ids, <|im_end|> included when the thinker wrote it
+    frames: int
+    stopped: bool
+    first_text_ms: float | None
+    first_audio_ms: float | None
+    thinker_ms_per_token: float
+    codes: np.ndarray  # int64 [frames, 16], layer-0 code first
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ChatReply:
+    text: str
+    tokens: list[int]
+    audio: np.ndarray  # float32 at 24 kHz
+    codes: np.ndarray  # int64 [frames, 16]
+    warnings: list[str]
+
+
+@dataclass
+class _Prepared:
+    inputs: ThinkerInputs
+    speaker: int
+    sampling: SamplingConfig
+    thinker_sampling: ThinkerSampling
+    seed: int
+    max_frames: int
+    max_new_tokens: int
+    schedule: tuple[int, ...]
+    warnings: list[str]
+
+
+class OmniChat:
+    def __init__(self, thinker: Thinker, tokenizer, feature_extractor, talker: OmniTalker, code2wav: Code2Wav, ids: PromptIds,
+                 generation_config: dict, name: str, rows: int | None = None, max_seq: int = TALKER_MAX_SEQ,
+                 use_cuda_graphs: bool = True, compiled: bool = False, max_queue: int = 64, vocoder_lanes: int = 1):
+        self.thinker, self.tokenizer, self.feature_extractor = thinker, tokenizer, feature_extractor
+        self.talker, self.code2wav, self.ids, self.name = talker, code2wav, ids, name
+        self.thinker_sampling = ThinkerSampling.from_generation_config(generation_config)
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        device = talker.codec_head.weight.device
+        self.rows = rows or DEFAULT_ROWS.get(device.type, 2)
+        with torch.inference_mode():
+            self.specials = text_specials(talker, thinker.model.get_input_embeddings(), ids).to(talker.codec_head.weight.dtype)
+            decoder = BatchDecoder(talker, self.specials[0], self.rows, max_seq, use_cuda_graphs, compiled, min_new_tokens=0)
+            vocoder = MultiStreamDecoder(code2wav, self.rows, use_cuda_graphs, vocoder_lanes)
+            self.engine = Engine(decoder, vocoder, max_queue=max_queue)
+
+    @classmethod
+    def from_pretrained(cls, source: str = HUB_ID, device: str = "cpu", dtype: str = "float32", **options) -> "OmniChat":
+        """From a Hugging Face Hub id or a local directory in the official layout. On CUDA, the GPU's
+        free memory is checked against the weights first."""
+        from transformers import AutoTokenizer, WhisperFeatureExtractor
+
+        torch_dev, torch_dt = torch_device(device), torch_dtype(dtype)
+        directory = resolve_checkpoint(source, REQUIRED_FILES)
+        config = read_json(directory, "config.json")
+        check_gpu_memory(directory, torch_dev, torch_dt)
+        ids = PromptIds.from_config(config)
+        talker_raw = config.get("talker_config") or {}
+        thinker = Thinker.from_pretrained(directory, torch_dev, torch_dt, int(talker_raw.get("accept_hidden_layer", 24)))
+        talker = load_talker(directory, talker_raw, torch_dev, torch_dt)
+        # code2wav in float32 whatever the rest runs in, as the Qwen3-TTS codec (streamed == offline).
+        code2wav = Code2Wav.from_pretrained(directory, torch_dev)
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        feature_extractor = WhisperFeatureExtractor.from_pretrained(str(directory))
+        generation = read_json(directory, "generation_config.json") if (directory / "generation_config.json").is_file() else {}
+        return cls(thinker, tokenizer, feature_extractor, talker, code2wav, ids, generation, str(source), **options)
+
+    @property
+    def speakers(self) -> list[str]:
+        return sorted(name.capitalize() for name in self.ids.speakers)
+
+    @property
+    def sample_rate(self) -> int:
+        return 24000
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def prepare(self, request: ChatRequest) -> _Prepared:
+        """Everything checked and encoded before any work starts."""
+        speaker = self.ids.speaker(request.speaker)
+        if request.max_new_tokens < 1:
+            raise TTSInputError("max_new_tokens must be at least 1.")
+        if request.max_frames is not None and request.max_frames < 1:
+            raise TTSInputError("max_frames must be at least 1.")
+        schedule = tuple(int(n) for n in request.schedule)
+        if not schedule or min(schedule) < 1:
+            raise TTSInputError(f"A chunk schedule is a list of positive frame counts, not {list(request.schedule)}.")
+        inputs = build_inputs(self.tokenizer, self.feature_extractor, request.turns, request.system, MAX_PROMPT)
+        warnings = []
+        if inputs.dropped_turns:
+            warnings.append(f"The conversation was longer than the model's context: the {inputs.dropped_turns} oldest turns were left out.")
+        user_positions = int(inputs.input_ids.shape[1])  # at most; the talker reads only the user turns
+        room = self.engine.decoder.max_frames(user_positions + 9)
+        max_frames = min(request.max_frames or room, room)
+        seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**31))
+        sampling = TALKER_SAMPLING.greedy() if request.greedy else TALKER_SAMPLING
+        thinker_sampling = dataclasses.replace(self.thinker_sampling, do_sample=False) if request.greedy else self.thinker_sampling
+        return _Prepared(inputs, speaker, sampling, thinker_sampling, seed, max_frames, request.max_new_tokens, schedule, warnings)
+
+    def stream(self, request: ChatRequest) -> Iterator[TextDelta | Queued | Chunk | ChatEnd]:
+        """The reply as it is made: text deltas, queue positions while waiting for a talker row,
+        audio chunks, and a ChatEnd. Closing the iterator stops the thinker and the talker at once."""
+        prepared = self.prepare(request)
+        return self._run(request, prepared)
+
+    def reply(self, request: ChatRequest) -> ChatReply:
+        """The whole reply at once (text, audio, codes)."""
+        audio, end = [], None
+        for event in self.stream(request):
+            if isinstance(event, Chunk):
+                audio.append(event.audio)
+            elif isinstance(event, ChatEnd):
+                end = event
+        wav = np.concatenate(audio) if audio else np.zeros(0, dtype=np.float32)
+        return ChatReply(end.text, end.tokens, wav, end.codes, end.warnings)
+
+    # ---- the conversation loop -----------------------------------------------------------------
+
+    def _run(self, request: ChatRequest, prepared: _Prepared) -> Iterator:
+        started = time.perf_counter()
+        events: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        turn = _Turn(self, prepared, events, stop, started)
+        worker = threading.Thread(target=turn.run, name="omni-thinker", daemon=True)
+        worker.start()
+        first_audio_ms = None
+        frames = 0
+        try:
+            while True:
+                event = events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, Chunk):
+                    event = dataclasses.replace(event, elapsed_ms=(time.perf_counter() - started) * 1000.0)
+                    first_audio_ms = event.elapsed_ms if first_audio_ms is None else first_audio_ms
+                    frames += event.frames
+                if isinstance(event, ChatEnd):
+                    event.first_audio_ms, event.frames = first_audio_ms, frames
+                    yield event
+                    return
+                yield event
+        finally:
+            stop.set()
+            turn.close()
+            worker.join(10.0)
+
+
+class _Turn:
+    """One reply: the thinker's loop on its own thread, the talker's row on the engine."""
+
+    def __init__(self, chat: OmniChat, prepared: _Prepared, events: queue.Queue, stop: threading.Event, started: float):
+        self.chat, self.prepared, self.events, self.stop, self.started = chat, prepared, events, stop, started
+        self.handle: Handle | None = None
+        self.lock = threading.Lock()
+        self.tokens: list[int] = []
+        self.shown, self.unsent = "", 0  # text sent to the chat; the first token not in it yet
+        self.first_text_ms: float | None = None
+        self.thinker_ms = 0.0
+        self.codes = np.zeros((0, 16), dtype=np.int64)
+        self.warnings = list(prepared.warnings)
+
+    def run(self) -> None:
+        forward = None
+        try:
+            forward = self._think()
+            if forward is not None:
+                forward.join()
+            self._finish()
+        except BaseException as exc:  # noqa: BLE001 - the consumer raises it
+            log.exception("omni chat turn failed")
+            self.events.put(exc)
+
+    def close(self) -> None:
+        with self.lock:
+            handle = self.handle
+        if handle is not None:
+            handle.close()
+
+    def _elapsed(self) -> float:
+        return (time.perf_counter() - self.started) * 1000.0
+
+    def _think(self) -> threading.Thread | None:
+        chat, prepared = self.chat, self.prepared
+        thinker = chat.thinker
+        prefilled = thinker.prefill(prepared.inputs, prepared.thinker_sampling, prepared.seed)
+        state = prefilled.state
+        token = thinker.pick(state, prefilled.logits)
+        self.first_text_ms = self._elapsed()
+        self._add_token(token)
+        if token == chat.im_end:
+            self.warnings.append("The model ended its reply before writing anything.")
+            return None
+        if self.stop.is_set():
+            return None
+        forward = self._start_speech(prefilled, token)
+        thinker_start, steps = time.perf_counter(), 0
+        for _ in range(prepared.max_new_tokens - 1):
+            if self.stop.is_set():
+                break
+            logits = thinker.step(state, token)
+            steps += 1
+            token = thinker.pick(state, logits)
+            self._add_token(token)
+            if token == chat.im_end:
+                break
+            self._speak([token], end=False)
+        self.thinker_ms = (time.perf_counter() - thinker_start) * 1000.0 / steps if steps else 0.0
+        # <|im_end|> is never spoken; the text ends with tts_eos, then the talker pads until it ends the speech.
+        self._speak([], end=True)
+        return forward
+
+    def _start_speech(self, prefilled, first_token: int) -> threading.Thread:
+        chat, prepared = self.chat, self.prepared
+        talker, ids = chat.talker, chat.ids
+        with torch.inference_mode():
+            input_ids = prepared.inputs.input_ids[0].to(prefilled.embeds.device)
+            dtype = talker.codec_head.weight.dtype
+            length = input_ids.shape[0]
+            first = chat.thinker.embed(torch.tensor([first_token]))
+            assistant = torch.cat([prefilled.embeds[length - 3:length], first]).to(dtype)
+            prompt = torch.cat([user_part(talker, input_ids, prefilled.embeds.to(dtype), prefilled.hidden.to(dtype), ids),
+                                assistant_part(talker, assistant, chat.specials, prepared.speaker, ids)])
+            trailing = prompt.new_zeros(0, prompt.shape[-1])
+            job = Job([Segment(prompt[None], trailing, text_end=False)], prepared.sampling, prepared.seed,
+                      min(prepared.max_frames, chat.engine.decoder.max_frames(prompt.shape[0])), prepared.schedule)
+            handle = chat.engine.submit(job)
+        with self.lock:
+            self.handle = handle
+        if self.stop.is_set():
+            handle.close()
+        forward = threading.Thread(target=self._forward, args=(handle,), name="omni-audio", daemon=True)
+        forward.start()
+        return forward
+
+    def _forward(self, handle: Handle) -> None:
+        try:
+            for event in handle.events():
+                self.events.put(event)
+            self.codes = handle.codes.numpy()
+            self.warnings.extend(handle.warnings)
+        except BaseException as exc:  # noqa: BLE001
+            self.events.put(exc)
+
+    def _speak(self, tokens: list[int], end: bool) -> None:
+        handle = self.handle
+        if handle is None or handle.closed:
+            return
+        with torch.inference_mode():
+            talker, specials = self.chat.talker, self.chat.specials
+            embeds = [talker.text_projection(self.chat.thinker.embed(torch.tensor(tokens)).to(specials.dtype))] if tokens else []
+            if end:
+                embeds.append(specials[2:3])
+            handle.append_text(torch.cat(embeds), end)
+
+    def _add_token(self, token: int) -> None:
+        """Record a reply token and send the text it completes (a character split over tokens waits for the rest)."""
+        self.tokens.append(token)
+        text = self.chat.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        new = text[len(self.shown):]
+        index = len(self.tokens) - 1
+        if new or token == self.chat.im_end:
+            self.events.put(TextDelta(self.unsent, index, new, self._elapsed()))
+            self.shown, self.unsent = text, index + 1
+
+    def _finish(self) -> None:
+        text = self.chat.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        stopped = self.stop.is_set() or (self.handle is not None and self.handle.stopped)
+        self.events.put(ChatEnd(text, list(self.tokens), 0, stopped, self.first_text_ms, None, self.thinker_ms, self.codes, self.warnings))
+
+
+def load_talker(directory: Path, raw: dict, device: torch.device, dtype: torch.dtype) -> OmniTalker:
+    """Our talker from the checkpoint's `talker.*` tensors (per-expert tensors stacked on load)."""
+    from pipeline.loading import load_weights
+
+    weights = {k.removeprefix("talker."): v for k, v in load_weights(directory, "talker.").items()}
+    with torch.device("meta"):
+        talker = OmniTalker(OmniTalkerConfig.from_dict(raw))
+    try:
+        talker.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"The talker weights in {directory} do not match its talker_config: {exc}") from None
+    return talker.to(device=device, dtype=dtype).eval()
+
+
+def check_gpu_memory(directory: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """On CUDA, refuse to load weights that cannot fit, saying what is needed and what the GPU has."""
+    if device.type != "cuda":
+        return
+    from safetensors import safe_open
+
+    parameters = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                parameters += int(np.prod(f.get_slice(name).get_shape()))
+    needed = parameters * BYTES_PER_PARAMETER[dtype] * GPU_HEADROOM
+    free, total = torch.cuda.mem_get_info(device)
+    if needed > free:
+        name = torch.cuda.get_device_name(device)
+        raise CheckpointError(
+            f"Qwen3-Omni ({parameters / 1e9:.1f} B parameters) needs about {needed / 2**30:.0f} GiB of GPU memory in {str(dtype).removeprefix('torch.')}; "
+            f"{device} ({name}) has {free / 2**30:.0f} GiB free of {total / 2**30:.0f} GiB. Use a larger GPU (an H200 or an 80 GB card with nothing else on it).")

@@ -1,0 +1,112 @@
+"""A chat as the thinker reads it: turns laid out in Qwen3-Omni's chat format, audio messages as
+log-mel features with their placeholder tokens, the oldest turns dropped when the context is full.
+
+The layout is the official chat template's for text and audio: `<|im_start|>{role}\\n`, a user
+turn's audio first (`<|audio_start|><|audio_pad|><|audio_end|>`), then its text, `<|im_end|>\\n`;
+the prompt ends with `<|im_start|>assistant\\n`. As transformers' processor does, each
+`<|audio_pad|>` becomes as many as the audio encoder makes positions. (The processor itself is not
+used: it imports torchvision for its video part, which this app has no use for.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pipeline.errors import TTSInputError
+
+AUDIO_SAMPLE_RATE = 16000  # the audio encoder's feature extractor
+MAX_AUDIO_SECONDS = 60.0  # per audio message
+AUDIO_START, AUDIO_PAD, AUDIO_END = "<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+N_WINDOW = 50  # the audio encoder's window (mel frames per half chunk), as the processor's default
+
+
+@dataclass
+class Turn:
+    """One message: a user turn (text, audio or both) or an earlier reply of the assistant."""
+
+    role: str  # "user" or "assistant"
+    text: str = ""
+    audio: np.ndarray | None = None  # float32 mono at 16 kHz (user turns)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("user", "assistant"):
+            raise TTSInputError(f"A turn is from 'user' or 'assistant', not {self.role!r}.")
+
+
+@dataclass
+class ThinkerInputs:
+    input_ids: torch.Tensor  # [1, L]
+    features: dict[str, torch.Tensor] = field(default_factory=dict)  # input_features, feature_attention_mask
+    dropped_turns: int = 0  # oldest turns left out to fit the context
+
+
+def audio_positions(mel_frames: int) -> int:
+    """Positions the audio encoder makes of `mel_frames` log-mel frames (transformers' formula)."""
+    chunk = N_WINDOW * 2
+    rest = mel_frames % chunk
+    lengths = (rest - 1) // 2 + 1
+    return ((lengths - 1) // 2 + 1 - 1) // 2 + 1 + (mel_frames // chunk) * 13
+
+
+def check_turns(turns: list[Turn]) -> None:
+    """The conversation must end with a user message that says something."""
+    if not turns or turns[-1].role != "user":
+        raise TTSInputError("The conversation must end with a user message.")
+    last = turns[-1]
+    if not last.text.strip() and last.audio is None:
+        raise TTSInputError("The message is empty: type something or record / upload audio.")
+
+
+def layout(turns: list[Turn], system: str) -> str:
+    """The chat-format text of a conversation, with one `<|audio_pad|>` per audio message."""
+    parts = [f"{IM_START}system\n{system}{IM_END}\n"] if system.strip() else []
+    for turn in turns:
+        audio = f"{AUDIO_START}{AUDIO_PAD}{AUDIO_END}" if turn.audio is not None else ""
+        parts.append(f"{IM_START}{turn.role}\n{audio}{turn.text}{IM_END}\n")
+    parts.append(f"{IM_START}assistant\n")
+    return "".join(parts)
+
+
+def build_inputs(tokenizer, feature_extractor, turns: list[Turn], system: str, max_prompt: int) -> ThinkerInputs:
+    """Token ids and audio features of the conversation; drops the oldest turns (a user turn with the
+    replies after it) while the prompt is longer than `max_prompt` positions."""
+    check_turns(turns)
+    _check_control_tokens(tokenizer, turns, system)
+    dropped = 0
+    while True:
+        inputs = _encode(tokenizer, feature_extractor, turns[dropped:], system)
+        if inputs.input_ids.shape[1] <= max_prompt:
+            inputs.dropped_turns = dropped
+            return inputs
+        later_users = [i for i in range(dropped + 1, len(turns)) if turns[i].role == "user"]
+        if not later_users:
+            raise TTSInputError(f"The message is {inputs.input_ids.shape[1]} tokens long with the system prompt; "
+                                f"the model takes at most {max_prompt}. Send a shorter message.")
+        dropped = later_users[0]
+
+
+def _check_control_tokens(tokenizer, turns: list[Turn], system: str) -> None:
+    # Typed control tokens would be read as structure: a turn ending early, an audio placeholder.
+    specials = [t for t in tokenizer.all_special_tokens if t.startswith("<|")]
+    for text in [system] + [turn.text for turn in turns]:
+        found = next((t for t in specials if t in text), None)
+        if found:
+            raise TTSInputError(f"Messages and the system prompt may not contain the control token {found}.")
+
+
+def _encode(tokenizer, feature_extractor, turns: list[Turn], system: str) -> ThinkerInputs:
+    text = layout(turns, system)
+    audios = [turn.audio for turn in turns if turn.audio is not None]
+    features: dict[str, torch.Tensor] = {}
+    if audios:
+        extracted = feature_extractor(audios, sampling_rate=AUDIO_SAMPLE_RATE, padding=True, truncation=False,
+                                      return_attention_mask=True, return_tensors="pt")
+        mask = extracted["attention_mask"]
+        features = {"input_features": extracted["input_features"], "feature_attention_mask": mask}
+        pieces = text.split(AUDIO_PAD)
+        text = pieces[0] + "".join(AUDIO_PAD * audio_positions(int(n)) + piece for n, piece in zip(mask.sum(-1), pieces[1:]))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ThinkerInputs(torch.tensor([ids]), features)
