@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline synth ...`, `synth-batch ...` and `make-tiny ...`.
+"""Command line: `python -m pipeline synth ...`, `synth-batch ...`, `chat ...` (Qwen3-Omni) and `make-tiny ...`.
 
 Exit codes: 0 done, 2 bad input (one sentence on stderr, before any work), 3 a checkpoint that
 cannot be found or loaded."""
@@ -65,8 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSONL: one object per line with a 'name' and synth's options (dashes as underscores)")
     batch.add_argument("--out-dir", required=True, type=Path, help="receives NAME.wav and NAME.codes.npy per request")
 
+    chat = commands.add_parser("chat", help="answer one message with Qwen3-Omni, in text and speech")
+    chat.add_argument("--model", required=True, help="Hugging Face Hub id (Qwen/Qwen3-Omni-30B-A3B-Instruct) or local directory")
+    chat.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    chat.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    chat.add_argument("--text", default="", help="the message (after the audio, if both are given)")
+    chat.add_argument("--audio", type=Path, help="a spoken message (WAV, FLAC, OGG or MP3)")
+    chat.add_argument("--speaker", default="Ethan", help="the voice of the reply (Chelsie, Ethan, Aiden)")
+    chat.add_argument("--system", help="a system prompt (none without it)")
+    chat.add_argument("--greedy", action="store_true", help="no sampling: thinker, talker and code predictor greedy")
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--max-new-tokens", type=int, default=1024, help="at most this many reply tokens")
+    chat.add_argument("--max-frames", type=int, help="at most this many 80 ms speech frames")
+    chat.add_argument("--out", required=True, type=Path, help="the spoken reply (.wav, .flac or .ogg)")
+    chat.add_argument("--text-out", type=Path, help="the reply as the tokenizer decodes it, special tokens skipped (.txt)")
+    chat.add_argument("--codes-out", type=Path, help="the talker's codes as int64 [frames, 16] .npy")
+
     tiny = commands.add_parser("make-tiny", help="write a tiny random-weight checkpoint in the official layout")
-    tiny.add_argument("--type", required=True, choices=["base", "custom_voice", "voice_design"])
+    tiny.add_argument("--type", required=True, choices=["base", "custom_voice", "voice_design", "omni"])
     tiny.add_argument("outdir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     return parser
@@ -193,10 +209,52 @@ def synth_batch(args: argparse.Namespace) -> int:
     return EXIT_BAD_INPUT if bad else 0
 
 
-def make_tiny(args: argparse.Namespace) -> None:
-    from pipeline.tiny import write_tiny_checkpoint
+def chat(args: argparse.Namespace) -> None:
+    import soundfile as sf
 
-    write_tiny_checkpoint(args.outdir, args.type, args.seed)
+    from pipeline.audio import load_message_audio
+    from pipeline.loading import read_json, resolve_checkpoint
+    from pipeline.omni import MAX_AUDIO_SECONDS, ChatRequest, OmniChat, PromptIds, Turn
+    from pipeline.omni.chat import REQUIRED_FILES as OMNI_FILES
+    from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, check_turns
+
+    for path, kind in ((args.out, "audio"), (args.text_out, "text"), (args.codes_out, "codes")):
+        if path is not None:
+            check_output_path(path, kind)
+    audio = load_message_audio(args.audio, AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS) if args.audio is not None else None
+    turns = [Turn("user", args.text, audio)]
+    check_turns(turns)
+    for name, value in (("--max-new-tokens", args.max_new_tokens), ("--max-frames", args.max_frames)):
+        if value is not None and value < 1:
+            raise TTSInputError(f"{name} must be at least 1, not {value}.")
+    torch_device(args.device)
+    directory = resolve_checkpoint(args.model, OMNI_FILES)
+    PromptIds.from_config(read_json(directory, "config.json")).speaker(args.speaker)  # before the weights load
+    model = OmniChat.from_pretrained(str(directory), device=args.device, dtype=args.dtype)
+    request = ChatRequest(turns, system=args.system or "", speaker=args.speaker, greedy=args.greedy, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, max_frames=args.max_frames)
+    start = time.perf_counter()
+    reply = model.reply(request)
+    wall = time.perf_counter() - start
+    for warning in reply.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    sf.write(args.out, reply.audio, model.sample_rate, subtype="FLOAT" if args.out.suffix.lower() == ".wav" else None)
+    if args.text_out is not None:
+        with open(args.text_out, "w", encoding="utf-8", newline="") as f:
+            f.write(reply.text)
+    if args.codes_out is not None:
+        save_codes(args.codes_out, reply.codes)
+    print(f"reply: {reply.text!r}\ntokens: {len(reply.tokens)}  frames: {len(reply.codes)}  audio: {len(reply.audio) / model.sample_rate:.2f} s  "
+          f"wall: {wall:.2f} s  -> {args.out}")
+
+
+def make_tiny(args: argparse.Namespace) -> None:
+    from pipeline.tiny import write_tiny_checkpoint, write_tiny_omni_checkpoint
+
+    if args.type == "omni":
+        write_tiny_omni_checkpoint(args.outdir, args.seed)
+    else:
+        write_tiny_checkpoint(args.outdir, args.type, args.seed)
     print(f"wrote a tiny random {args.type} checkpoint to {args.outdir}")
 
 
@@ -207,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             synth(args)
         elif args.command == "synth-batch":
             return synth_batch(args)
+        elif args.command == "chat":
+            chat(args)
         else:
             make_tiny(args)
     except TTSInputError as exc:

@@ -41,10 +41,11 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are Qwen-Omni, a smart voice assistant created by Alibaba Qwen. You are communicating with the user by voice: "
     "keep your replies short and conversational, and do not use formatting, lists or emoji, which cannot be spoken."
 )
-MAX_PROMPT = 4096  # thinker positions of the conversation; older turns are dropped beyond
+MAX_PROMPT = 2030  # thinker positions of the conversation (so the talker's prompt fits its largest prefill); older turns are dropped beyond
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once
-TALKER_MAX_SEQ = 8192  # talker positions per conversation: the user turns + 9 + frames
+TALKER_MAX_SEQ = 4096  # talker positions per conversation: the user turns + 9 + frames
+SPEECH_TAIL_FRAMES = 25  # frames a reply may speak beyond one per token before it is cut (the talker ends sooner)
 FRAME_SECONDS = 0.08
 # The talker samples as transformers' Qwen3-Omni generate does; its code predictor with top-k 50, top-p 0.8.
 TALKER_SAMPLING = SamplingConfig(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
@@ -173,7 +174,7 @@ class OmniChat:
             warnings.append(f"The conversation was longer than the model's context: the {inputs.dropped_turns} oldest turns were left out.")
         user_positions = int(inputs.input_ids.shape[1])  # at most; the talker reads only the user turns
         room = self.engine.decoder.max_frames(user_positions + 9)
-        max_frames = min(request.max_frames or room, room)
+        max_frames = min(request.max_frames or 2 * request.max_new_tokens + SPEECH_TAIL_FRAMES, room)
         seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**31))
         sampling = TALKER_SAMPLING.greedy() if request.greedy else TALKER_SAMPLING
         thinker_sampling = dataclasses.replace(self.thinker_sampling, do_sample=False) if request.greedy else self.thinker_sampling

@@ -1,0 +1,253 @@
+"""GPU benchmark of Omni chat at the real Qwen3-Omni-30B-A3B size, random weights:
+`python -m pipeline.bench_omni`.
+
+Weight values do not change speed, so the model is built in GPU memory from the released
+config.json's structure (no 70 GB checkpoint to write). A random thinker rarely writes
+<|im_end|> and a random talker rarely ends its speech, so every reply runs to the token and frame
+limits given.
+
+Measures, after Send: time to the first text token and to the first audio, for a short text
+message and a 5 s audio message; talker + code predictor ms per frame (GPU time of the engine's
+decode step); thinker ms per token; the gaps between audio chunks against the audio already
+buffered (a stall is playback running dry); the same with several conversations at once; and the
+thinker's MoE implementations in transformers side by side. Writes JSON and markdown (GPU, torch,
+transformers, date and command next to the numbers).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.engine import Chunk
+from pipeline.omni import ChatEnd, ChatRequest, Code2Wav, Code2WavConfig, OmniChat, OmniTalker, OmniTalkerConfig, PromptIds, TextDelta, Turn
+from pipeline.omni.thinker import Thinker
+from pipeline.tiny import OMNI_FEATURE_EXTRACTOR, randomize_, randomize_code2wav_, write_tiny_omni_tokenizer
+
+# The structure of Qwen/Qwen3-Omni-30B-A3B-Instruct's config.json (what shapes the modules and the prompt).
+RELEASED_CONFIG = {
+    "thinker_config": {
+        "text_config": {"vocab_size": 152064, "hidden_size": 2048, "intermediate_size": 768, "moe_intermediate_size": 768,
+                        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                        "num_experts_per_tok": 8, "norm_topk_prob": True, "shared_expert_intermediate_size": 0, "max_position_embeddings": 65536,
+                        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000, "mrope_section": [24, 20, 20],
+                                                                  "interleaved": True, "mrope_interleaved": True}},
+        "audio_config": {"d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120, "output_dim": 2048,
+                         "downsample_hidden_size": 480, "num_mel_bins": 128, "n_window": 50, "n_window_infer": 800, "conv_chunksize": 500},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 2048,
+                          "deepstack_visual_indexes": [8, 16, 24], "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh"},
+        "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656, "audio_start_token_id": 151669,
+        "vision_start_token_id": 151652, "position_id_per_seconds": 13, "user_token_id": 872,
+    },
+    "talker_config": {
+        "text_config": {"vocab_size": 3072, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 20, "num_attention_heads": 16,
+                        "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": 384, "num_experts": 128, "num_experts_per_tok": 6,
+                        "norm_topk_prob": True, "shared_expert_intermediate_size": 768, "rms_norm_eps": 1e-6,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000, "mrope_section": [24, 20, 20], "interleaved": True}},
+        "code_predictor_config": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5, "num_attention_heads": 16,
+                                  "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 2048, "num_code_groups": 16, "rms_norm_eps": 1e-6,
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1000000}},
+        "thinker_hidden_size": 2048, "num_code_groups": 16, "accept_hidden_layer": 24, "spatial_merge_size": 2,
+        "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656, "audio_start_token_id": 151669,
+        "vision_start_token_id": 151652, "position_id_per_seconds": 13,
+        "codec_eos_token_id": 2150, "codec_nothink_id": 2155, "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
+        "codec_pad_id": 2148, "codec_bos_id": 2149, "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
+    },
+    "code2wav_config": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8, "num_attention_heads": 16,
+                        "num_key_value_heads": 16, "decoder_dim": 1536, "sliding_window": 72, "codebook_size": 2048, "num_quantizers": 16,
+                        "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2], "rms_norm_eps": 1e-5, "layer_scale_initial_scale": 0.01,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000}},
+    "im_start_token_id": 151644, "im_end_token_id": 151645, "system_token_id": 8948, "user_token_id": 872, "assistant_token_id": 77091,
+    "tts_pad_token_id": 151671, "tts_bos_token_id": 151672, "tts_eos_token_id": 151673,
+}
+SHORT_MESSAGE = "Hi! Could you tell me, in one or two sentences, what the weather is usually like in Lisbon in spring?"
+SPEECH_S = 0.08
+
+
+@torch.no_grad()
+def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, seed: int = 0) -> OmniChat:
+    """The real-size Qwen3-Omni with seeded random weights, in GPU memory."""
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    device = torch.device("cuda")
+    g = torch.Generator(device).manual_seed(seed)
+    write_tiny_omni_tokenizer(workdir)  # Qwen3-Omni's special-token ids; words do not matter here
+    ids = {**RELEASED_CONFIG}
+    ids["system_token_id"], ids["user_token_id"], ids["assistant_token_id"] = (
+        AutoTokenizer.from_pretrained(str(workdir)).convert_tokens_to_ids(["system", "user", "assistant"]))
+    ids["thinker_config"] = {**ids["thinker_config"], "user_token_id": ids["user_token_id"]}
+    thinker_config = Qwen3OmniMoeThinkerConfig(**ids["thinker_config"])
+    thinker_config.text_config._experts_implementation = experts
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            thinker_model = Qwen3OmniMoeThinkerForConditionalGeneration(thinker_config)
+            talker = OmniTalker(OmniTalkerConfig.from_dict(ids["talker_config"]))
+    finally:
+        torch.set_default_dtype(default_dtype)
+    randomize_(thinker_model, g, buffers=False)
+    randomize_(talker, g, buffers=False)
+    with device:
+        code2wav = Code2Wav(Code2WavConfig.from_dict(ids["code2wav_config"]))
+    randomize_code2wav_(code2wav, g)
+    # A random talker would end its speech at a random frame: keep EOS out of reach.
+    talker.codec_head.weight[ids["talker_config"]["codec_eos_token_id"]].zero_()
+    thinker = Thinker(thinker_model.eval(), ids["talker_config"]["accept_hidden_layer"])
+    tokenizer = AutoTokenizer.from_pretrained(str(workdir))
+    features = WhisperFeatureExtractor(**{k: v for k, v in OMNI_FEATURE_EXTRACTOR.items() if k != "feature_extractor_type"})
+    return OmniChat(thinker, tokenizer, features, talker.eval(), code2wav.eval(), PromptIds.from_config(ids), {}, "random Qwen3-Omni-30B-A3B",
+                    rows=rows, vocoder_lanes=3)
+
+
+def spoken_message(seconds: float, seed: int = 0) -> np.ndarray:
+    """A voice-like 16 kHz signal (a gliding harmonic series with a syllable-rate envelope)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    phase = 2 * np.pi * np.cumsum(140 + 30 * np.sin(2 * np.pi * 0.7 * t)) / 16000
+    wave = sum(np.sin(k * phase) / k for k in range(1, 8)) * (0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2)
+    return (0.2 * wave + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def converse(chat: OmniChat, request: ChatRequest) -> dict:
+    """One reply through `OmniChat.stream`, timed on the host as a listener sees it."""
+    arrivals, audio_s, generate_ms, frames = [], [], [], []
+    first_text = end = None
+    for event in chat.stream(request):
+        if isinstance(event, TextDelta) and first_text is None:
+            first_text = event.elapsed_ms
+        elif isinstance(event, Chunk):
+            arrivals.append(event.elapsed_ms)
+            audio_s.append(len(event.audio) / 24000)
+            generate_ms.append(event.generate_ms)
+            frames.append(event.frames)
+        elif isinstance(event, ChatEnd):
+            end = event
+    steady = [(ms, n) for i, (ms, n) in enumerate(zip(generate_ms, frames)) if i > 0]
+    # Playback starts with the first chunk; a stall is a chunk arriving after the audio before it has played out.
+    buffered = np.cumsum(audio_s)
+    underrun = [arrivals[i] - arrivals[0] - buffered[i - 1] * 1000 for i in range(1, len(arrivals))]
+    gaps = np.diff(arrivals) if len(arrivals) > 1 else np.zeros(1)
+    return {
+        "first_text_ms": first_text,
+        "first_audio_ms": arrivals[0] if arrivals else None,
+        "talker_frame_ms": sum(ms for ms, _ in steady) / max(1, sum(n for _, n in steady)),
+        "thinker_ms_per_token": end.thinker_ms_per_token,
+        "tokens": len(end.tokens),
+        "frames": int(sum(frames)),
+        "gap_p95_ms": float(np.percentile(gaps, 95)),
+        "worst_underrun_ms": float(max(underrun)) if underrun else 0.0,
+        "stalls": int(sum(u > 0 for u in underrun)),
+    }
+
+
+def median_run(chat: OmniChat, make_request, repeats: int) -> dict:
+    runs = [converse(chat, make_request(seed)) for seed in range(repeats)]
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
+    return {k: statistics.median(r[k] for r in runs) for k in keys} | {"stalls_total": sum(r["stalls"] for r in runs), "runs": repeats}
+
+
+def together(chat: OmniChat, make_request, conversations: int) -> dict:
+    results: list[dict] = [None] * conversations
+
+    def one(i: int) -> None:
+        results[i] = converse(chat, make_request(100 + i))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(conversations)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first_audio = sorted(r["first_audio_ms"] for r in results)
+    return {"conversations": conversations, "first_audio_ms": first_audio,
+            "talker_frame_ms": statistics.median(r["talker_frame_ms"] for r in results),
+            "thinker_ms_per_token": statistics.median(r["thinker_ms_per_token"] for r in results),
+            "gap_p95_ms": max(r["gap_p95_ms"] for r in results), "stalls": sum(r["stalls"] for r in results),
+            "worst_underrun_ms": max(r["worst_underrun_ms"] for r in results)}
+
+
+def thinker_token_ms(chat: OmniChat, implementation: str, tokens: int = 30) -> float:
+    """The thinker's decode step with one of transformers' MoE implementations (eager: a loop over experts)."""
+    chat.thinker.model.config.text_config._experts_implementation = implementation
+    request = ChatRequest([Turn("user", SHORT_MESSAGE)], max_new_tokens=tokens, max_frames=1, seed=1)
+    return converse(chat, request)["thinker_ms_per_token"]
+
+
+def markdown(report: dict) -> str:
+    lines = [f"### Omni chat, random Qwen3-Omni-30B-A3B weights ({report['gpu']}, torch {report['torch']}, transformers {report['transformers']}, "
+             f"{report['date']})", "", f"Command: `{report['command']}`; {report['rows']} talker rows, bf16 thinker and talker, fp32 code2wav; "
+             f"median of {report['repeats']} replies of {report['tokens']} tokens / {report['frames']} frames.", "",
+             "| message | first text token (ms) | first audio (ms) | talker frame (ms) | thinker token (ms) | p95 chunk gap (ms) | stalls |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in report["single"].items():
+        lines.append(f"| {name} | {r['first_text_ms']:.0f} | {r['first_audio_ms']:.0f} | {r['talker_frame_ms']:.2f} | {r['thinker_ms_per_token']:.1f} | "
+                     f"{r['gap_p95_ms']:.0f} | {r['stalls_total']} |")
+    t = report["together"]
+    lines += ["", f"{t['conversations']} conversations at once (short text): first audio {', '.join(f'{x:.0f}' for x in t['first_audio_ms'])} ms; "
+              f"talker frame {t['talker_frame_ms']:.2f} ms; thinker token {t['thinker_ms_per_token']:.1f} ms; p95 chunk gap {t['gap_p95_ms']:.0f} ms; "
+              f"{t['stalls']} stalls (worst underrun {t['worst_underrun_ms']:.0f} ms).", "",
+              "Thinker ms per token by transformers' MoE implementation: " + ", ".join(f"{k} {v:.1f}" for k, v in report["thinker_moe"].items()), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import transformers
+
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench_omni")
+    parser.add_argument("--rows", type=int, default=4, help="talker rows of the engine (conversations speaking at once)")
+    parser.add_argument("--tokens", type=int, default=40, help="reply tokens")
+    parser.add_argument("--frames", type=int, default=60, help="speech frames per reply (60 = 4.8 s)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--together", type=int, default=4)
+    parser.add_argument("--experts", default="grouped_mm", help="transformers' MoE implementation for the thinker")
+    parser.add_argument("--compare-experts", nargs="*", default=["eager", "batched_mm", "grouped_mm"])
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        chat = random_omni(Path(tmp), torch.bfloat16, args.rows, args.experts)
+        print(f"built in {time.perf_counter() - t0:.0f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+        audio = spoken_message(5.0)
+        requests = {
+            "short text": lambda seed: ChatRequest([Turn("user", SHORT_MESSAGE)], max_new_tokens=args.tokens, max_frames=args.frames, seed=seed),
+            "5 s audio": lambda seed: ChatRequest([Turn("user", "", audio)], max_new_tokens=args.tokens, max_frames=args.frames, seed=seed),
+        }
+        converse(chat, requests["short text"](99))  # warm-up: allocator, cuBLAS handles, first-call paths
+        report = {
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": datetime.date.today().isoformat(), "command": "python -m pipeline.bench_omni " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "rows": args.rows, "tokens": args.tokens, "frames": args.frames, "repeats": args.repeats, "experts": args.experts,
+            "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "single": {name: median_run(chat, make, args.repeats) for name, make in requests.items()},
+        }
+        print(json.dumps(report["single"]), flush=True)
+        report["together"] = together(chat, requests["short text"], args.together)
+        print(json.dumps(report["together"]), flush=True)
+        report["thinker_moe"] = {name: thinker_token_ms(chat, name) for name in args.compare_experts}
+        chat.thinker.model.config.text_config._experts_implementation = args.experts
+        print(json.dumps(report["thinker_moe"]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{report['date']}-{report['gpu'].replace(' ', '_')}-omni"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (args.out / f"{stem}.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
