@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Handle, Queued, SamplingConfig
+from pipeline.omni import HUB_ID as OMNI_HUB_ID
+from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, ChatStream, OmniChat, TextDelta, Turn
 from pipeline.errors import CheckpointError, EngineBusy, TTSInputError
 from pipeline.model import MODEL_TYPES
 from pipeline.request import SpeechRequest
@@ -26,12 +28,18 @@ from pipeline.tts import TTS, VoicePrompt
 
 log = logging.getLogger(__name__)
 
+__all__ = ["DEFAULT_SCHEDULE", "DEFAULT_SPEAKER", "DEFAULT_SYSTEM_PROMPT", "MAX_AUDIO_SECONDS", "ChatEnd", "ChatRequest", "Chunk", "ModelInfo",
+           "ModelService", "Queued", "SpeechRequest", "StreamEnd", "StreamStart", "TTSInputError", "TextDelta", "Turn", "parse_models"]
+
 # The official checkpoints per model type; the first is each tab's default.
 HUB_CHECKPOINTS: dict[str, tuple[str, ...]] = {
     "base": ("Qwen/Qwen3-TTS-12Hz-0.6B-Base", "Qwen/Qwen3-TTS-12Hz-1.7B-Base"),
     "custom_voice": ("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"),
     "voice_design": ("Qwen/Qwen3-TTS-12Hz-1.7B-VoiceDesign",),
+    "omni": (OMNI_HUB_ID,),
 }
+OMNI = "omni"
+TAB_TYPES = (*MODEL_TYPES, OMNI)  # what --models configures: the three TTS tabs and Omni chat
 TYPE_ALIASES = {"clone": "base", "voice_clone": "base", "custom": "custom_voice", "design": "voice_design"}
 TINY = "tiny"  # the checkpoint name that selects the built-in tiny random checkpoint of a tab's type
 MAX_UPLOAD_BYTES = 50 * 1024 * 1024
@@ -45,9 +53,9 @@ def parse_models(specs: Sequence[str]) -> dict[str, tuple[str, ...]]:
         kind, sep, sources = spec.partition("=")
         kind = TYPE_ALIASES.get(kind.strip().lower(), kind.strip().lower())
         names = tuple(s.strip() for s in sources.split(",") if s.strip())
-        if not sep or kind not in MODEL_TYPES or not names:
+        if not sep or kind not in TAB_TYPES or not names:
             raise ValueError(
-                f"--models takes TYPE=CHECKPOINT[,CHECKPOINT...] with TYPE one of {', '.join(MODEL_TYPES)} "
+                f"--models takes TYPE=CHECKPOINT[,CHECKPOINT...] with TYPE one of {', '.join(TAB_TYPES)} "
                 f"(or clone, custom, design), not '{spec}'."
             )
         choices[kind] = names
@@ -124,16 +132,16 @@ class ModelService:
     ):
         merged = dict(HUB_CHECKPOINTS)
         merged.update(choices or {})
-        self.choices = {kind: (TINY,) for kind in MODEL_TYPES} if tiny else merged
+        self.choices = {kind: (TINY,) for kind in TAB_TYPES} if tiny else merged
         self.device, self.dtype, self.compiled, self.rows = device, dtype, compiled, rows
         self._tiny_root = Path(tiny_dir) if tiny_dir else Path(tempfile.mkdtemp(prefix="qwen3-tts-tiny-"))
-        self._models: dict[tuple[str, str], TTS] = {}  # (model type, checkpoint) -> model
+        self._models: dict[tuple[str, str], TTS | OmniChat] = {}  # (model type, checkpoint) -> model
         self._load_locks: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()  # guards the dicts, never held during a load
         self._tiny_lock = threading.Lock()  # one writer of the tiny checkpoints at a time
         self.fallbacks: dict[str, Fallback] = {}
         self._voice_prompts: OrderedDict[tuple, VoicePrompt] = OrderedDict()
-        self._streams: dict[str, Handle] = {}
+        self._streams: dict[str, Handle | ChatStream] = {}
         # On ZeroGPU Spaces each stream runs in the GPU worker that `spaces.GPU` hands it to.
         self.stream = gpu(self.stream)
 
@@ -149,7 +157,7 @@ class ModelService:
     def probe(self, timeout: float = 5.0) -> None:
         """Fall back now for default Hub checkpoints that are neither cached nor reachable, so the
         banner is up from the first page view instead of after a failed download."""
-        for model_type in MODEL_TYPES:
+        for model_type in TAB_TYPES:
             source = self.default_checkpoint(model_type)
             if source == TINY or Path(source).expanduser().exists():
                 continue
@@ -163,15 +171,17 @@ class ModelService:
     def info(self, model_type: str, checkpoint: str | None = None) -> ModelInfo:
         """Load the checkpoint if needed and describe it for the tab."""
         source = checkpoint or self.default_checkpoint(model_type)
-        tts = self.model(model_type, source)
-        return ModelInfo(source, model_type, tts.speakers, tts.languages, tts.supports_instruct, self.random_weights(model_type, source))
+        model = self.model(model_type, source)
+        if isinstance(model, OmniChat):
+            return ModelInfo(source, model_type, model.speakers, [], False, self.random_weights(model_type, source))
+        return ModelInfo(source, model_type, model.speakers, model.languages, model.supports_instruct, self.random_weights(model_type, source))
 
     def preload(self) -> None:
         """Load every tab's default checkpoint now (ZeroGPU Spaces must place weights before serving)."""
         for model_type in MODEL_TYPES:
             self.model(model_type)
 
-    def model(self, model_type: str, checkpoint: str | None = None) -> TTS:
+    def model(self, model_type: str, checkpoint: str | None = None) -> TTS | OmniChat:
         """The loaded model for `checkpoint` (default: the tab's first); loads it on first use."""
         source = checkpoint or self.default_checkpoint(model_type)
         if source not in self.choices[model_type]:
@@ -188,10 +198,16 @@ class ModelService:
                     self._models[key] = tts
         return self._models[key]
 
-    def _load(self, model_type: str, source: str) -> TTS:
+    def _load(self, model_type: str, source: str) -> TTS | OmniChat:
         if source == TINY or source in self.fallbacks:
             return self._tiny(model_type)
         log.info("loading %s checkpoint %s on %s (%s)", model_type, source, self.device, self.dtype)
+        if model_type == OMNI:
+            try:
+                return OmniChat.from_pretrained(source, device=self.device, dtype=self.dtype, vocoder_lanes=3 if self.device.startswith("cuda") else 1)
+            except CheckpointError as exc:
+                self._fall_back(model_type, source, str(exc))
+                return self._tiny(model_type)
         try:
             tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype, compiled=self.compiled, rows=self.rows)
         except CheckpointError as exc:
@@ -209,8 +225,8 @@ class ModelService:
         with self._lock:
             self.fallbacks[source] = Fallback(model_type, source, reason)
 
-    def _tiny(self, model_type: str) -> TTS:
-        from pipeline.tiny import write_tiny_checkpoint
+    def _tiny(self, model_type: str) -> TTS | OmniChat:
+        from pipeline.tiny import write_tiny_checkpoint, write_tiny_omni_checkpoint
 
         key = (model_type, f"{TINY}:{model_type}")  # shared by the "tiny" choice and every fallback
         with self._tiny_lock:
@@ -218,9 +234,15 @@ class ModelService:
                 directory = self._tiny_root / model_type
                 if not directory.is_dir():  # written aside and renamed: a failed write leaves no half checkpoint
                     partial = Path(tempfile.mkdtemp(prefix=f"{model_type}-", dir=self._tiny_root))
-                    write_tiny_checkpoint(partial, model_type, seed=0)
+                    if model_type == OMNI:
+                        write_tiny_omni_checkpoint(partial, seed=0)
+                    else:
+                        write_tiny_checkpoint(partial, model_type, seed=0)
                     partial.rename(directory)
-                self._models[key] = TTS.from_pretrained(str(directory), device=self.device, dtype=self.dtype, rows=self.rows)
+                if model_type == OMNI:
+                    self._models[key] = OmniChat.from_pretrained(str(directory), device=self.device, dtype=self.dtype)
+                else:
+                    self._models[key] = TTS.from_pretrained(str(directory), device=self.device, dtype=self.dtype, rows=self.rows)
             return self._models[key]
 
     # ---- voice prompts -----------------------------------------------------------------------
@@ -278,6 +300,27 @@ class ModelService:
         finally:
             handle.close()
             self._unregister(key, handle)
+
+    def chat(self, request: ChatRequest, checkpoint: str | None = None, key: str = "") -> Iterator[StreamStart | TextDelta | Queued | Chunk | ChatEnd | StreamEnd]:
+        """Omni chat: like `stream`, with the reply's text deltas and a ChatEnd before the StreamEnd.
+        A new chat under the same `key` stops the one before it (barge-in)."""
+        source = checkpoint or self.default_checkpoint(OMNI)
+        model = self.model(OMNI, source)
+        try:
+            reply = model.stream(request)
+        except EngineBusy as exc:
+            raise TTSInputError(str(exc)) from None
+        self._register(key, reply)
+        try:
+            yield StreamStart(source, self.random_weights(OMNI, source), list(reply.warnings))
+            end = None
+            for event in reply:
+                end = event if isinstance(event, ChatEnd) else end
+                yield event
+            yield StreamEnd(end.stopped, list(dict.fromkeys(end.warnings)))
+        finally:
+            reply.close()
+            self._unregister(key, reply)
 
     @staticmethod
     def sampling_defaults() -> SamplingConfig:

@@ -4,19 +4,21 @@ from __future__ import annotations
 import gradio as gr
 
 from pipeline.service import MAX_UPLOAD_BYTES, ModelService
-from ui import controls, custom_voice, voice_clone, voice_design
+from ui import controls, custom_voice, omni_chat, voice_clone, voice_design
 from ui.latency import player_head
 from ui.pcm_stream import CHANNELS
 
-TITLE = "Qwen3-TTS, streamed"
+TITLE = "Qwen3-TTS and Qwen3-Omni, streamed"
 INTRO = (
-    "# Qwen3-TTS, streamed\n"
+    "# Qwen3-TTS and Qwen3-Omni, streamed\n"
     "The audio starts playing with the first 80 ms frame, while the rest is still being generated; "
     "the panel under each tab shows where every millisecond went."
 )
 CSS = """
 .pcm-player { padding: 0.5em 0.75em; border-radius: 8px; background: var(--block-background-fill);
               border: 1px solid var(--border-color-primary); font-variant-numeric: tabular-nums; }
+.omni-live-text { padding: 0.5em 0.75em; line-height: 1.6; min-height: 2.5em; }
+.speech-token.speaking { background: #ffe08a; color: #1a1300; border-radius: 3px; }
 #banner { border-left: 6px solid #e8a400; padding-left: 1em; background: #fff8e1; color: #3d2e00; }
 """
 
@@ -26,7 +28,7 @@ def build_demo(service: ModelService) -> gr.Blocks:
         banner = gr.Markdown(controls.banner_markdown(service), visible=bool(controls.banner_markdown(service)), elem_id="banner")
         gr.Markdown(INTRO)
         with gr.Tabs():
-            tabs = [module.build(service, banner) for module in (voice_clone, custom_voice, voice_design)]
+            tabs = [module.build(service, banner) for module in (voice_clone, custom_voice, voice_design, omni_chat)]
         for parts in tabs:
             controls.wire_loading(parts)
         first = tabs[0]  # the tab on screen at page load is "first used" as the page opens

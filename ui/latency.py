@@ -98,11 +98,14 @@ class LatencyPanel:
     def outputs(self) -> list[gr.components.Component]:
         return [self.summary, self.table, self.plot, self.audio]
 
-    def arm_js(self) -> str:
+    def arm_js(self, pass_interrupted: bool = False) -> str:
         """JS of the Generate click: unlock the audio, open the run's PCM stream, and pass the run id
-        as the last input (the stream's request leaves before Gradio's queue join does)."""
+        as the last input (the stream's request leaves before Gradio's queue join does); with
+        `pass_interrupted`, the id of the run it silences ("" if none) as the input before it."""
         url = ROUTE.lstrip("/").replace("{run_id}", "")
-        return f"(...args) => {{ args[args.length - 1] = window.qwenTTS.player('{self.name}').arm('{url}'); return args; }}"
+        player = f"window.qwenTTS.player('{self.name}')"
+        interrupted = f"args[args.length - 2] = {player}.stats ? {player}.stats.run : ''; " if pass_interrupted else ""
+        return f"(...args) => {{ {interrupted}args[args.length - 1] = {player}.arm('{url}'); return args; }}"
 
     def stop_js(self) -> str:
         """JS of the Stop click: silence the player and pass the stopped run's id to the server."""
@@ -113,23 +116,26 @@ class LatencyPanel:
         CHANNELS.finish(run_id)
 
     def stream(
-        self, start: StreamStart, chunks: Iterator[Chunk | Queued | StreamEnd], run_id: str, received: float, stop: Callable[[], object]
+        self, start: StreamStart, chunks: Iterator, run_id: str, received: float, stop: Callable[[], object],
+        on_event: Callable[[object], dict] | None = None,
     ) -> Iterator[dict]:
         """Panel updates for a stream. A pump thread sends each chunk's audio to the player the moment
         it is ready, so audio never waits for the table and plot to be rendered; this generator
         yields one table update per batch of chunks that arrived meanwhile, then the WAV.
-        `received`: perf_counter when the request reached the handler; `stop` ends `chunks` early."""
+        `received`: perf_counter when the request reached the handler; `stop` ends `chunks` early;
+        `on_event`: the updates of other components for the stream's other records (a chat's text),
+        yielded with the panel's."""
         arrived: queue.Queue = queue.Queue()
         live = bool(RUN_ID.match(run_id or ""))  # API clients have no player: they get the table and WAV
         pump = threading.Thread(target=self._pump, args=(chunks, run_id, live, received, arrived), name=f"{self.name}-pcm", daemon=True)
         pump.start()
         try:
-            yield from self._updates(start, arrived)
+            yield from self._updates(start, arrived, on_event)
         finally:  # Stop, a closed page or an error: end generation within a frame, then the pump
             stop()
             pump.join(PUMP_JOIN_S)
 
-    def _updates(self, start: StreamStart, arrived: queue.Queue) -> Iterator[dict]:
+    def _updates(self, start: StreamStart, arrived: queue.Queue, on_event: Callable[[object], dict] | None) -> Iterator[dict]:
         done: list[Chunk] = []
         rows: list[list] = []
         first_sent_ms = None
@@ -137,6 +143,7 @@ class LatencyPanel:
         end = StreamEnd(stopped=False)
         next_update = time.perf_counter()  # the first row (the TTFA) shows at once; later ones are batched
         while not ended:
+            extra: dict = {}
             for item in self._batch(arrived, next_update):
                 if item is None:
                     ended = True
@@ -149,12 +156,17 @@ class LatencyPanel:
                 if isinstance(item, Queued):
                     yield {self.summary: queued_text(item)}
                     continue
+                if not isinstance(item, tuple):
+                    extra.update(on_event(item) if on_event else {})
+                    continue
                 chunk, since_ms = item
                 first_sent_ms = since_ms if first_sent_ms is None else first_sent_ms
                 done.append(chunk)
                 rows.append([chunk.index, chunk.frames, round(chunk.generate_ms, 1), round(chunk.vocode_ms, 1), round(since_ms, 1), round(chunk.rtf, 3)])
             if done:
-                yield {self.table: table_frame(rows), self.plot: plot_frame(done), self.summary: summary_text(start, done, first_sent_ms, ended)}
+                extra.update({self.table: table_frame(rows), self.plot: plot_frame(done), self.summary: summary_text(start, done, first_sent_ms, ended)})
+            if extra:
+                yield extra
             next_update = time.perf_counter() + UPDATE_INTERVAL_S
         for warning in end.warnings:
             gr.Warning(warning)

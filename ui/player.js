@@ -45,6 +45,7 @@
       this.clickAt = clickAt;
       const run = `${this.name}-${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 10)}`;
       this.nextTime = 0;
+      this.timeline = [];
       this.stats = { run, chunks: 0, seconds: 0, gaps: 0, scheduledMs: null, soundMs: null, done: false };
       this.show("waiting for the first chunk…");
       this.abort = new AbortController();
@@ -95,6 +96,7 @@
         at = context.currentTime + LEAD;
       }
       source.start(at);
+      this.timeline.push({ at, offset: stats.seconds, duration: buffer.duration });
       this.nextTime = at + buffer.duration;
       this.sources.add(source);
       source.onended = () => this.sources.delete(source);
@@ -125,6 +127,18 @@
       return run;
     }
 
+    // Seconds of the run's audio that have reached the speaker (-1 before the first sound or after Stop).
+    position() {
+      if (!this.stats || !this.timeline) return -1;
+      const now = context.currentTime - (context.outputLatency || 0);
+      let played = -1;
+      for (const piece of this.timeline) {
+        if (piece.at > now) break;
+        played = piece.offset + Math.min(now - piece.at, piece.duration);
+      }
+      return played;
+    }
+
     summary() {
       const s = this.stats;
       if (!s || !s.chunks) return "no audio yet";
@@ -150,6 +164,22 @@
     if (!players.has(name)) players.set(name, new PcmPlayer(name));
     return players.get(name);
   }
+
+  // Speech highlighting: in a `#NAME-live` element, the `.speech-token` span whose speech frames
+  // (data-first..data-last, 80 ms each) are playing gets the class `speaking`. The audio runs
+  // data-lead-s behind the frames (the vocoder's look-ahead, held back at the start of a stream).
+  const FRAME_S = 0.08;
+  setInterval(() => {
+    for (const text of document.querySelectorAll('[id$="-live"] [data-lead-s]')) {
+      const holder = text.closest('[id$="-live"]');
+      const played = player(holder.id.replace(/-live$/, "")).position();
+      const frame = played < 0 ? -1 : Math.floor((played + parseFloat(text.dataset.leadS)) / FRAME_S);
+      for (const span of text.querySelectorAll(".speech-token")) {
+        const on = frame >= +span.dataset.first && frame <= +span.dataset.last;
+        if (on !== span.classList.contains("speaking")) span.classList.toggle("speaking", on);
+      }
+    }
+  }, 50);
 
   // The click is timed in the capture phase, before any of Gradio's own handlers run.
   document.addEventListener("click", (event) => {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,7 +28,8 @@ from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, Engine, Handl
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.omni.code2wav import Code2Wav
-from pipeline.omni.conversation import ThinkerInputs, Turn, build_inputs
+from pipeline.audio import load_message_audio
+from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, ThinkerInputs, Turn, build_inputs
 from pipeline.omni.prompt import PromptIds, assistant_part, text_specials, user_part
 from pipeline.omni.talker import OmniTalker, OmniTalkerConfig
 from pipeline.omni.thinker import Thinker, ThinkerSampling
@@ -45,13 +47,15 @@ MAX_PROMPT = 2030  # thinker positions of the conversation (so the talker's prom
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once
 TALKER_MAX_SEQ = 4096  # talker positions per conversation: the user turns + 9 + frames
+CLOSE_TIMEOUT_S = 10.0
 SPEECH_TAIL_FRAMES = 25  # frames a reply may speak beyond one per token before it is cut (the talker ends sooner)
 FRAME_SECONDS = 0.08
 # The talker samples as transformers' Qwen3-Omni generate does; its code predictor with top-k 50, top-p 0.8.
 TALKER_SAMPLING = SamplingConfig(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
                                  subtalker_dosample=True, subtalker_temperature=1.0, subtalker_top_k=50, subtalker_top_p=0.8)
 BYTES_PER_PARAMETER = {torch.bfloat16: 2, torch.float32: 4}
-GPU_HEADROOM = 1.15  # caches, activations, CUDA graphs and the allocator's slack on top of the weights
+MEMORY_HEADROOM = 1.15  # caches, activations, CUDA graphs and the allocator's slack on top of the weights
+KNOWN_PARAMETERS = {HUB_ID: 35_260_000_000}  # checked before a download of ~70 GB
 
 
 @dataclass
@@ -129,14 +133,16 @@ class OmniChat:
 
     @classmethod
     def from_pretrained(cls, source: str = HUB_ID, device: str = "cpu", dtype: str = "float32", **options) -> "OmniChat":
-        """From a Hugging Face Hub id or a local directory in the official layout. On CUDA, the GPU's
-        free memory is checked against the weights first."""
+        """From a Hugging Face Hub id or a local directory in the official layout; the free memory of
+        the device is checked against the weights first."""
         from transformers import AutoTokenizer, WhisperFeatureExtractor
 
         torch_dev, torch_dt = torch_device(device), torch_dtype(dtype)
+        if source in KNOWN_PARAMETERS:
+            check_memory(None, torch_dev, torch_dt, KNOWN_PARAMETERS[source])
         directory = resolve_checkpoint(source, REQUIRED_FILES)
         config = read_json(directory, "config.json")
-        check_gpu_memory(directory, torch_dev, torch_dt)
+        check_memory(directory, torch_dev, torch_dt)
         ids = PromptIds.from_config(config)
         talker_raw = config.get("talker_config") or {}
         thinker = Thinker.from_pretrained(directory, torch_dev, torch_dt, int(talker_raw.get("accept_hidden_layer", 24)))
@@ -168,7 +174,7 @@ class OmniChat:
         schedule = tuple(int(n) for n in request.schedule)
         if not schedule or min(schedule) < 1:
             raise TTSInputError(f"A chunk schedule is a list of positive frame counts, not {list(request.schedule)}.")
-        inputs = build_inputs(self.tokenizer, self.feature_extractor, request.turns, request.system, MAX_PROMPT)
+        inputs = build_inputs(self.tokenizer, self.feature_extractor, [_with_audio_loaded(t) for t in request.turns], request.system, MAX_PROMPT)
         warnings = []
         if inputs.dropped_turns:
             warnings.append(f"The conversation was longer than the model's context: the {inputs.dropped_turns} oldest turns were left out.")
@@ -180,11 +186,9 @@ class OmniChat:
         thinker_sampling = dataclasses.replace(self.thinker_sampling, do_sample=False) if request.greedy else self.thinker_sampling
         return _Prepared(inputs, speaker, sampling, thinker_sampling, seed, max_frames, request.max_new_tokens, schedule, warnings)
 
-    def stream(self, request: ChatRequest) -> Iterator[TextDelta | Queued | Chunk | ChatEnd]:
-        """The reply as it is made: text deltas, queue positions while waiting for a talker row,
-        audio chunks, and a ChatEnd. Closing the iterator stops the thinker and the talker at once."""
-        prepared = self.prepare(request)
-        return self._run(request, prepared)
+    def stream(self, request: ChatRequest) -> "ChatStream":
+        """The reply as it is made (see ChatStream). Bad input raises TTSInputError here, before any work."""
+        return ChatStream(self, self.prepare(request))
 
     def reply(self, request: ChatRequest) -> ChatReply:
         """The whole reply at once (text, audio, codes)."""
@@ -197,24 +201,31 @@ class OmniChat:
         wav = np.concatenate(audio) if audio else np.zeros(0, dtype=np.float32)
         return ChatReply(end.text, end.tokens, wav, end.codes, end.warnings)
 
-    # ---- the conversation loop -----------------------------------------------------------------
 
-    def _run(self, request: ChatRequest, prepared: _Prepared) -> Iterator:
-        started = time.perf_counter()
-        events: queue.Queue = queue.Queue()
-        stop = threading.Event()
-        turn = _Turn(self, prepared, events, stop, started)
-        worker = threading.Thread(target=turn.run, name="omni-thinker", daemon=True)
-        worker.start()
-        first_audio_ms = None
-        frames = 0
+class ChatStream:
+    """One reply in the making. Iterate for text deltas, queue positions while the talker waits for
+    a row, audio chunks (their `elapsed_ms` counted from the start of the request) and, last, a
+    ChatEnd. `close()` (from any thread: Stop, a new message) stops the thinker and the talker at
+    once; the iteration then ends with a ChatEnd marked stopped."""
+
+    def __init__(self, chat: OmniChat, prepared: _Prepared):
+        self.started = time.perf_counter()
+        self.events: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.warnings = list(prepared.warnings)
+        self.turn = _Turn(chat, prepared, self.events, self.stop, self.started)
+        self.worker = threading.Thread(target=self.turn.run, name="omni-thinker", daemon=True)
+        self.worker.start()
+
+    def __iter__(self) -> Iterator[TextDelta | Queued | Chunk | ChatEnd]:
+        first_audio_ms, frames = None, 0
         try:
             while True:
-                event = events.get()
+                event = self.events.get()
                 if isinstance(event, BaseException):
                     raise event
                 if isinstance(event, Chunk):
-                    event = dataclasses.replace(event, elapsed_ms=(time.perf_counter() - started) * 1000.0)
+                    event = dataclasses.replace(event, elapsed_ms=(time.perf_counter() - self.started) * 1000.0)
                     first_audio_ms = event.elapsed_ms if first_audio_ms is None else first_audio_ms
                     frames += event.frames
                 if isinstance(event, ChatEnd):
@@ -223,9 +234,12 @@ class OmniChat:
                     return
                 yield event
         finally:
-            stop.set()
-            turn.close()
-            worker.join(10.0)
+            self.close()
+            self.worker.join(CLOSE_TIMEOUT_S)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.turn.close()
 
 
 class _Turn:
@@ -353,6 +367,13 @@ class _Turn:
         self.events.put(ChatEnd(text, list(self.tokens), 0, stopped, self.first_text_ms, None, self.thinker_ms, self.codes, self.warnings))
 
 
+def _with_audio_loaded(turn: Turn) -> Turn:
+    """A turn whose audio is a file path, with the audio read (16 kHz mono; checked for length and content)."""
+    if turn.audio is None or isinstance(turn.audio, np.ndarray):
+        return turn
+    return dataclasses.replace(turn, audio=load_message_audio(turn.audio, AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS))
+
+
 def load_talker(directory: Path, raw: dict, device: torch.device, dtype: torch.dtype) -> OmniTalker:
     """Our talker from the checkpoint's `talker.*` tensors (per-expert tensors stacked on load)."""
     from pipeline.loading import load_weights
@@ -367,10 +388,27 @@ def load_talker(directory: Path, raw: dict, device: torch.device, dtype: torch.d
     return talker.to(device=device, dtype=dtype).eval()
 
 
-def check_gpu_memory(directory: Path, device: torch.device, dtype: torch.dtype) -> None:
-    """On CUDA, refuse to load weights that cannot fit, saying what is needed and what the GPU has."""
-    if device.type != "cuda":
-        return
+def check_memory(directory: Path | None, device: torch.device, dtype: torch.dtype, parameters: int | None = None) -> None:
+    """Refuse to load weights that cannot fit (GPU memory on CUDA, free RAM on the CPU), saying what
+    is needed and what the machine has. `parameters`: counted from the checkpoint's safetensors when None."""
+    if parameters is None:
+        parameters = count_parameters(directory)
+    needed = parameters * BYTES_PER_PARAMETER[dtype] * MEMORY_HEADROOM
+    precision = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        where = f"{device} ({torch.cuda.get_device_name(device)}) has {free / 2**30:.0f} GiB free of {total / 2**30:.0f} GiB"
+        advice = "Use a GPU with more memory (an H200, or an 80 GB card with nothing else on it)."
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        where = f"this machine has {free / 2**30:.0f} GiB of free memory"
+        advice = "Run it on a GPU (--device cuda --dtype bfloat16)."
+    if needed > free:
+        raise CheckpointError(f"Qwen3-Omni ({parameters / 1e9:.1f} B parameters) needs about {needed / 2**30:.0f} GiB of memory in {precision}; "
+                              f"{where}. {advice}")
+
+
+def count_parameters(directory: Path) -> int:
     from safetensors import safe_open
 
     parameters = 0
@@ -378,10 +416,4 @@ def check_gpu_memory(directory: Path, device: torch.device, dtype: torch.dtype) 
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
                 parameters += int(np.prod(f.get_slice(name).get_shape()))
-    needed = parameters * BYTES_PER_PARAMETER[dtype] * GPU_HEADROOM
-    free, total = torch.cuda.mem_get_info(device)
-    if needed > free:
-        name = torch.cuda.get_device_name(device)
-        raise CheckpointError(
-            f"Qwen3-Omni ({parameters / 1e9:.1f} B parameters) needs about {needed / 2**30:.0f} GiB of GPU memory in {str(dtype).removeprefix('torch.')}; "
-            f"{device} ({name}) has {free / 2**30:.0f} GiB free of {total / 2**30:.0f} GiB. Use a larger GPU (an H200 or an 80 GB card with nothing else on it).")
+    return parameters

@@ -10,6 +10,7 @@ used: it imports torchvision for its video part, which this app has no use for.)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ class Turn:
 
     role: str  # "user" or "assistant"
     text: str = ""
-    audio: np.ndarray | None = None  # float32 mono at 16 kHz (user turns)
+    audio: np.ndarray | str | Path | None = None  # float32 mono at 16 kHz, or an audio file (user turns)
 
     def __post_init__(self) -> None:
         if self.role not in ("user", "assistant"):
