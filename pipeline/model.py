@@ -186,6 +186,12 @@ class Attention(nn.Module):
         self.kv_cache.write(rows, positions, k, v)
         return self._out(attention(q, self.kv_cache.k, self.kv_cache.v, mask, self.head_dim**-0.5))
 
+    def extend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One cache row: x [1, L, hidden] at `positions` [1, L], after what the row holds; attends over that row's cache."""
+        q, k, v = self._qkv(x, cos, sin)
+        self.kv_cache.write(row, positions, k, v)
+        return self._out(attention(q, self.kv_cache.k[row], self.kv_cache.v[row], mask, self.head_dim**-0.5))
+
     def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One sequence from position 0: x [1, L, hidden] stored in cache row `row` [1]; causal over itself."""
         q, k, v = self._qkv(x, cos, sin)
@@ -258,6 +264,12 @@ class Transformer(nn.Module):
         mask = torch.where(self.key_pos <= positions[..., None], 0.0, float("-inf"))
         rows = self.all_rows
         return self._run(x, lambda attn, h: attn.decode(h, cos, sin, mask, rows, positions))
+
+    def extend(self, x: torch.Tensor, row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [1, L, hidden] at `positions` [1, L]: more of the sequence in cache row `row` [1] (a prompt given in parts)."""
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        mask = torch.where(self.key_pos <= positions[..., None], 0.0, float("-inf"))
+        return self._run(x, lambda attn, h: attn.extend(h, cos, sin, mask, row, positions))
 
     def prefill(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """x [1, L, hidden]: one sequence from position 0, written into cache row `row` [1]."""

@@ -126,6 +126,25 @@ def test_text_given_token_by_token_with_waits_equals_text_given_at_once(models, 
     assert torch.equal(handle.codes, expected)
 
 
+@pytest.mark.parametrize("awaits", [1, 3])
+def test_prompt_given_in_two_parts_equals_the_whole_prompt(models, awaits):
+    """A row admitted with its prompt's last positions still to come waits, its prefix prefilled;
+    with them it speaks exactly as if the whole prompt had come at once."""
+    tts = models["custom_voice"]
+    request = SpeechRequest("Hello there, this is a test.", speaker="ryan", greedy=True, max_frames=24)
+    job, _ = tts.prepare(request)
+    expected = finish(tts.engine.submit(job))[0]
+    segment = job.segments[0]
+    prefix, rest = segment.prompt[:, :-awaits], segment.prompt[:, -awaits:]
+    handle = tts.engine.submit(dataclasses.replace(job, segments=[dataclasses.replace(segment, prompt=prefix, awaits=awaits)]))
+    time.sleep(0.3)  # admitted and prefilled, waiting
+    assert len(handle.codes) == 0 and handle._items.empty()
+    with pytest.raises(ValueError, match=f"awaits {awaits} positions, not {awaits + 1}"):
+        handle.finish_prompt(segment.prompt[:, -awaits - 1:])
+    handle.finish_prompt(rest)
+    assert torch.equal(finish(handle)[0], expected)
+
+
 def held_row(tts: TTS, voice):
     """A job that holds its row without end: its text stops after one token and never ends."""
     job, _ = tts.prepare(SpeechRequest("Held for as long as the test needs.", schedule=(1,), max_frames=50), voice)

@@ -137,3 +137,27 @@ def test_reply_ending_in_im_end_equals_transformers(reference, chat, tokens):
     with _reply_ends_after([reference.thinker, chat.thinker.model], chat, request, tokens), torch.no_grad():
         reply = _check(reference, chat, request, ended=True)
     assert len(reply.tokens) == tokens + 1
+
+
+def test_any_chunk_schedule_gives_the_offline_waveform(chat, tiny_omni):
+    """The engine's code2wav calls (pieces of 16/8/4/2/1 frames, the first holding back the look-ahead)
+    join to one offline decode of the same codes, whatever the chunk sizes."""
+    from pipeline.omni import Code2Wav, decode
+
+    request = _request("Hello there, how are you?", frames=40)
+    replies = [chat.reply(dataclasses.replace(request, schedule=schedule)) for schedule in [(1, 2, 4, 8, 16), (3, 5, 7), (40,), (1,)]]
+    offline = decode(Code2Wav.from_pretrained(tiny_omni), torch.from_numpy(replies[0].codes)).numpy()
+    for reply in replies:
+        assert np.array_equal(reply.codes, replies[0].codes)
+        assert reply.audio.shape == offline.shape == (40 * 1920 - 555,) and np.abs(reply.audio - offline).max() <= 1e-5
+
+
+def test_same_seed_same_reply_and_audio_when_sampling(chat):
+    """Sampled thinker, talker and code predictor: the same seed gives the same reply and codes. The
+    audio is equal to float rounding, not bit for bit: when the talker waits for the thinker, the
+    frames made so far go out as a shorter chunk (sooner sound), and the vocoder's call sizes follow."""
+    request = ChatRequest([Turn("user", "Tell me about the fox.")], system=SYSTEM, seed=11, max_new_tokens=10, max_frames=20)
+    first, again, other = chat.reply(request), chat.reply(request), chat.reply(dataclasses.replace(request, seed=12))
+    assert first.tokens == again.tokens and np.array_equal(first.codes, again.codes)
+    assert first.audio.shape == again.audio.shape and np.abs(first.audio - again.audio).max() <= 1e-5
+    assert first.tokens != other.tokens or not np.array_equal(first.codes, other.codes)

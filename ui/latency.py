@@ -19,7 +19,7 @@ import gradio as gr
 import numpy as np
 import pandas as pd
 
-from pipeline.service import Chunk, Queued, StreamEnd, StreamStart
+from pipeline.service import Chunk, Queued, StreamEnd, StreamStart, TTSInputError
 from ui.pcm_stream import CHANNELS, ROUTE, RUN_ID
 
 PLAYER_JS = Path(__file__).with_name("player.js")
@@ -148,6 +148,8 @@ class LatencyPanel:
                 if item is None:
                     ended = True
                     break
+                if isinstance(item, TTSInputError):  # found after the start (e.g. the engine's queue is full)
+                    raise gr.Error(str(item))
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, StreamEnd):

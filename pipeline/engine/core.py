@@ -72,8 +72,9 @@ class Segment:
     """One prefill and the text fed while it speaks; long texts are several segments in one voice."""
 
     prompt: torch.Tensor  # [1, L, hidden]
-    trailing: torch.Tensor  # [T, hidden], T >= 1
+    trailing: torch.Tensor  # [T, hidden]
     text_end: bool = True  # False: more text arrives through Handle.append_text
+    awaits: int = 0  # the prompt's last positions, still to come through Handle.finish_prompt (prefilled apart)
 
 
 @dataclass
@@ -137,6 +138,11 @@ class Handle:
         """More conditioning text [n, hidden] for the last segment (talker input for the frames to come)."""
         self.engine.append_text(self, embeds, end)
 
+    def finish_prompt(self, rest: torch.Tensor) -> None:
+        """The last positions [1, n, hidden] of a prompt submitted with `Segment.awaits` = n: the row,
+        its prefix already prefilled, starts speaking."""
+        self.engine.finish_prompt(self, rest)
+
     def close(self) -> None:
         """Cancel (if still running) and wait until the engine has let go of the request."""
         if not self._closed.is_set():
@@ -199,7 +205,7 @@ class _Row:
     generate_ms: float = 0.0
     chunk_index: int = 0
     samples: int = 0
-    prefill_timer: _Timer | None = None  # read with the segment's first frame
+    prefill_timers: list[_Timer] = field(default_factory=list)  # read with the segment's first frame
 
 
 @dataclass
@@ -331,6 +337,21 @@ class Engine:
             self.commands.append(("text", handle, (embeds, end, ready)))
             self.wake.notify()
 
+    def finish_prompt(self, handle: Handle, rest: torch.Tensor) -> None:
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        with self.lock:
+            segment = handle.job.segments[0]
+            if rest.shape[1] != segment.awaits:
+                raise ValueError(f"The prompt awaits {segment.awaits} positions, not {rest.shape[1]}.")
+            if handle in self.waiting:  # not admitted yet: it starts with its whole prompt
+                segment.prompt, segment.awaits = torch.cat([segment.prompt, rest], dim=1), 0
+                return
+            self.commands.append(("prompt", handle, (rest, ready)))
+            self.wake.notify()
+
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the loop after its current frame; requests still in flight end with an error."""
         with self.lock:
@@ -422,13 +443,16 @@ class Engine:
                 continue
             if kind == "cancel":
                 self._release(row, self.slots[row])
-            else:
-                embeds, end, ready = payload
-                with self._stream(self.gen_stream):
-                    if ready is not None:
-                        self.gen_stream.wait_event(ready)
-                        embeds.record_stream(self.gen_stream)
-                    self.decoder.append_text(row, embeds, end)
+                continue
+            *tensors, ready = payload
+            with self._stream(self.gen_stream):
+                if ready is not None:
+                    self.gen_stream.wait_event(ready)
+                    tensors[0].record_stream(self.gen_stream)
+                if kind == "text":
+                    self.decoder.append_text(row, *tensors)
+                else:
+                    self._finish_prompt(row, self.slots[row], tensors[0])
 
     def _row_of(self, handle: Handle) -> int | None:
         return next((row for row, state in enumerate(self.slots) if state is not None and state.handle is handle), None)
@@ -450,7 +474,7 @@ class Engine:
         job = state.handle.job
         segment = job.segments[state.segment]
         remaining = job.max_frames - state.total
-        state.budget = min(remaining, self.decoder.max_frames(segment.prompt.shape[1]))
+        state.budget = min(remaining, self.decoder.max_frames(segment.prompt.shape[1] + segment.awaits))
         state.frames = 0
         timer = _Timer(self.cuda)
         with self._stream(self.gen_stream):
@@ -459,9 +483,17 @@ class Engine:
                 for t in (segment.prompt, segment.trailing):
                     t.record_stream(self.gen_stream)  # made on the caller's stream, read on this one
             timer.start()
-            self.decoder.start(row, segment.prompt, segment.trailing, segment.text_end, job.sampling, job.seed + state.segment, state.budget)
+            self.decoder.start(row, segment.prompt, segment.trailing, segment.text_end, job.sampling, job.seed + state.segment, state.budget,
+                               segment.awaits)
             timer.stop()
-        state.prefill_timer = timer
+        state.prefill_timers = [timer]
+
+    def _finish_prompt(self, row: int, state: _Row, rest: torch.Tensor) -> None:
+        timer = _Timer(self.cuda)
+        timer.start()
+        self.decoder.finish_prompt(row, rest)
+        timer.stop()
+        state.prefill_timers.append(timer)
 
     def _launch(self) -> _Launch:
         slot = self.iteration % 2
@@ -497,9 +529,8 @@ class Engine:
                 self._end_segment(row, state, tokens[row] == self.decoder.eos_id)
 
     def _add_frame(self, state: _Row, codes: np.ndarray, step_ms: float) -> None:
-        if state.prefill_timer is not None:
-            state.generate_ms += state.prefill_timer.ms()
-            state.prefill_timer = None
+        state.generate_ms += sum(timer.ms() for timer in state.prefill_timers)
+        state.prefill_timers = []
         state.frames += 1
         state.total += 1
         state.codes.append(codes)

@@ -78,6 +78,7 @@ class BatchDecoder:
         self.talker_decode = talker.model.decode
         self.predictor_decode = talker.code_predictor.model.decode
         self.talker_prefill = talker.model.prefill
+        self.talker_extend = talker.model.extend
         self.sample, self.noise = sample_rows, exponential_noise
         if compiled:
             # Every model in the process adds entries to dynamo's cache; the default limit of 8 would stop the third.
@@ -95,6 +96,10 @@ class BatchDecoder:
         self.prefill_row = zeros(1)
         self.prefill_in = {b: zeros(1, b, config.hidden_size, dtype=dtype) for b in self.buckets}
         self.prefill_graphs = {b: CUDAGraphed(partial(self._prefill_bucket, b), self.use_cuda_graphs, priority=GENERATION_PRIORITY) for b in self.buckets}
+        self.prompt_len_host = [0] * rows
+        self.extend_in = zeros(1, 1, config.hidden_size, dtype=dtype)
+        self.extend_pos = zeros(1, 1)
+        self.extend_graph = CUDAGraphed(self._extend_one, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
 
     # ---- rows joining, waiting and leaving ---------------------------------------------------
 
@@ -103,14 +108,16 @@ class BatchDecoder:
         return self.max_seq - prompt_length - 1
 
     @torch.inference_mode()
-    def start(self, row: int, prompt: torch.Tensor, trailing: torch.Tensor, text_end: bool, sampling: SamplingConfig, seed: int, max_frames: int) -> None:
+    def start(self, row: int, prompt: torch.Tensor, trailing: torch.Tensor, text_end: bool, sampling: SamplingConfig, seed: int, max_frames: int,
+              awaits: int = 0) -> None:
         """Prefill `prompt` [1, L, hidden] into `row` and sample its first codebook-0 token.
 
         `trailing` [T, hidden]: the text fed alongside frames 0..T-1; after it, tts_pad once
-        `text_end`, or the row waits for `append_text`."""
+        `text_end`, or the row waits for `append_text`. `awaits`: the prompt's last positions are
+        not known yet (`finish_prompt` brings them); the row waits for them, its prefix prefilled."""
         length = prompt.shape[1]
-        if not 1 <= max_frames <= self.max_frames(length):
-            raise ValueError(f"A prompt of {length} positions leaves room for 1..{self.max_frames(length)} frames, not {max_frames}.")
+        if not 1 <= max_frames <= self.max_frames(length + awaits):
+            raise ValueError(f"A prompt of {length + awaits} positions leaves room for 1..{self.max_frames(length + awaits)} frames, not {max_frames}.")
         self._set_sampling(row, sampling)
         # Per-row values are written with fill_ (the value travels as a kernel argument): `t[row] = v`
         # copies a host scalar tensor in and waits for the stream to drain, so an admission would
@@ -123,6 +130,28 @@ class BatchDecoder:
         self.text_len_host[row] = 0
         self.append_text(row, trailing, text_end)
         hidden = self._prefill(row, prompt)
+        self.prompt_len_host[row] = length
+        if not awaits:
+            self._begin(row, hidden)
+
+    @torch.inference_mode()
+    def finish_prompt(self, row: int, rest: torch.Tensor) -> None:
+        """The last positions [1, n, hidden] of `row`'s prompt: prefilled after its prefix; the row then runs."""
+        start, n = self.prompt_len_host[row], rest.shape[1]
+        if n == 1 and self.use_cuda_graphs:
+            self.extend_in.copy_(rest)
+            self.extend_pos.fill_(start)
+            self.prefill_row.fill_(row)
+            hidden = self.extend_graph()[0, -1]
+        else:
+            positions = torch.arange(start, start + n, device=self.pos.device)[None]
+            hidden = self.talker_extend(rest, self.all_rows[row:row + 1], positions)[0, -1]
+        self.prompt_len_host[row] = start + n
+        self.pos[row].fill_(start + n)
+        self._begin(row, hidden)
+
+    def _begin(self, row: int, hidden: torch.Tensor) -> None:
+        """The row's prompt is in: sample its first codebook-0 token from the last position's state and let it run."""
         self.hidden[row] = hidden
         rows = slice(row, row + 1)
         token = self._next_token(self.talker.codec_head(hidden[None]), rows, self.frame[rows])
@@ -166,6 +195,9 @@ class BatchDecoder:
     def _prefill_bucket(self, bucket: int) -> torch.Tensor:
         return self.talker_prefill(self.prefill_in[bucket], self.prefill_row)
 
+    def _extend_one(self) -> torch.Tensor:
+        return self.talker_extend(self.extend_in, self.prefill_row, self.extend_pos)
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture the decode step and every prefill bucket now (at load, every row idle), not in a user's time to first audio."""
@@ -174,6 +206,7 @@ class BatchDecoder:
         self.step_graph.capture()
         for graph in self.prefill_graphs.values():
             graph.capture()
+        self.extend_graph.capture()
 
     # ---- the decode step ---------------------------------------------------------------------
 

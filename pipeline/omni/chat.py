@@ -25,12 +25,12 @@ import torch
 
 from pipeline.codec import MultiStreamDecoder
 from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, Engine, Handle, Job, Queued, SamplingConfig, Segment
-from pipeline.errors import CheckpointError, TTSInputError
+from pipeline.errors import CheckpointError, EngineBusy, TTSInputError
 from pipeline.loading import read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.omni.code2wav import Code2Wav
 from pipeline.audio import load_message_audio
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, ThinkerInputs, Turn, build_inputs
-from pipeline.omni.prompt import PromptIds, assistant_part, text_specials, user_part
+from pipeline.omni.prompt import PromptIds, assistant_first, assistant_prefix, text_specials, user_part
 from pipeline.omni.talker import OmniTalker, OmniTalkerConfig
 from pipeline.omni.thinker import Thinker, ThinkerSampling
 
@@ -248,6 +248,7 @@ class _Turn:
     def __init__(self, chat: OmniChat, prepared: _Prepared, events: queue.Queue, stop: threading.Event, started: float):
         self.chat, self.prepared, self.events, self.stop, self.started = chat, prepared, events, stop, started
         self.handle: Handle | None = None
+        self.forward: threading.Thread | None = None  # hands the row's audio to the events
         self.lock = threading.Lock()
         self.tokens: list[int] = []
         self.shown, self.unsent = "", 0  # text sent to the chat; the first token not in it yet
@@ -257,7 +258,6 @@ class _Turn:
         self.warnings = list(prepared.warnings)
 
     def run(self) -> None:
-        forward = None
         try:
             forward = self._think()
             if forward is not None:
@@ -278,18 +278,22 @@ class _Turn:
 
     def _think(self) -> threading.Thread | None:
         chat, prepared = self.chat, self.prepared
-        thinker = chat.thinker
-        prefilled = thinker.prefill(prepared.inputs, prepared.thinker_sampling, prepared.seed)
+        thinker, talker = chat.thinker, chat.talker
+        # The talker's prompt but its last position is known once the thinker's layer accept_hidden_layer
+        # is done: its prefill runs on the engine while the thinker's upper layers still run.
+        prefilled = thinker.prefill(prepared.inputs, prepared.thinker_sampling, prepared.seed, self._start_speech)
         state = prefilled.state
         token = thinker.pick(state, prefilled.logits)
         self.first_text_ms = self._elapsed()
         self._add_token(token)
-        if token == chat.im_end:
-            self.warnings.append("The model ended its reply before writing anything.")
-            return None
-        if self.stop.is_set():
-            return None
-        forward = self._start_speech(prefilled, token)
+        if token == chat.im_end or self.stop.is_set():
+            if token == chat.im_end:
+                self.warnings.append("The model ended its reply before writing anything.")
+            self.close()  # the talker's row, still waiting for its last prompt position, is let go
+            return self.forward
+        with torch.inference_mode():
+            first = thinker.embed(torch.tensor([token])).to(talker.codec_head.weight.dtype)
+            self.handle.finish_prompt(assistant_first(talker, first, chat.ids)[None])
         thinker_start, steps = time.perf_counter(), 0
         for _ in range(prepared.max_new_tokens - 1):
             if self.stop.is_set():
@@ -304,30 +308,31 @@ class _Turn:
         self.thinker_ms = (time.perf_counter() - thinker_start) * 1000.0 / steps if steps else 0.0
         # <|im_end|> is never spoken; the text ends with tts_eos, then the talker pads until it ends the speech.
         self._speak([], end=True)
-        return forward
+        return self.forward
 
-    def _start_speech(self, prefilled, first_token: int) -> threading.Thread:
+    def _start_speech(self, embeds: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Submit the talker's row with its prompt but the last position: the user turns (from the
+        thinker's input embeddings and layer-accept states) and the first 8 assistant positions."""
         chat, prepared = self.chat, self.prepared
         talker, ids = chat.talker, chat.ids
-        with torch.inference_mode():
-            input_ids = prepared.inputs.input_ids[0].to(prefilled.embeds.device)
-            dtype = talker.codec_head.weight.dtype
-            length = input_ids.shape[0]
-            first = chat.thinker.embed(torch.tensor([first_token]))
-            assistant = torch.cat([prefilled.embeds[length - 3:length], first]).to(dtype)
-            prompt = torch.cat([user_part(talker, input_ids, prefilled.embeds.to(dtype), prefilled.hidden.to(dtype), ids),
-                                assistant_part(talker, assistant, chat.specials, prepared.speaker, ids)])
-            trailing = prompt.new_zeros(0, prompt.shape[-1])
-            job = Job([Segment(prompt[None], trailing, text_end=False)], prepared.sampling, prepared.seed,
-                      min(prepared.max_frames, chat.engine.decoder.max_frames(prompt.shape[0])), prepared.schedule)
+        dtype = talker.codec_head.weight.dtype
+        input_ids = prepared.inputs.input_ids[0].to(embeds.device)
+        length = input_ids.shape[0]
+        prefix = torch.cat([user_part(talker, input_ids, embeds.to(dtype), hidden.to(dtype), ids),
+                            assistant_prefix(talker, embeds[length - 3:length].to(dtype), chat.specials, prepared.speaker, ids)])
+        trailing = prefix.new_zeros(0, prefix.shape[-1])
+        job = Job([Segment(prefix[None], trailing, text_end=False, awaits=1)], prepared.sampling, prepared.seed,
+                  min(prepared.max_frames, chat.engine.decoder.max_frames(prefix.shape[0] + 1)), prepared.schedule)
+        try:
             handle = chat.engine.submit(job)
+        except EngineBusy as exc:
+            raise TTSInputError(str(exc)) from None
         with self.lock:
             self.handle = handle
         if self.stop.is_set():
             handle.close()
-        forward = threading.Thread(target=self._forward, args=(handle,), name="omni-audio", daemon=True)
-        forward.start()
-        return forward
+        self.forward = threading.Thread(target=self._forward, args=(handle,), name="omni-audio", daemon=True)
+        self.forward.start()
 
     def _forward(self, handle: Handle) -> None:
         try:

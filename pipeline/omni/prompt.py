@@ -93,11 +93,23 @@ def text_specials(talker: OmniTalker, thinker_embedding: nn.Embedding, ids: Prom
 def assistant_part(talker: OmniTalker, assistant_embeds: torch.Tensor, specials: torch.Tensor, speaker: int, ids: PromptIds) -> torch.Tensor:
     """The 9 prompt positions after the user turns [9, hidden]. assistant_embeds [4, thinker_hidden]:
     the thinker's input embeddings of `<|im_start|>`, `assistant`, `\\n` and the first generated token."""
-    text = talker.text_projection(assistant_embeds)
+    return torch.cat([assistant_prefix(talker, assistant_embeds[:ASSISTANT_TEXT_POSITIONS], specials, speaker, ids),
+                      assistant_first(talker, assistant_embeds[ASSISTANT_TEXT_POSITIONS:], ids)])
+
+
+def assistant_prefix(talker: OmniTalker, header_embeds: torch.Tensor, specials: torch.Tensor, speaker: int, ids: PromptIds) -> torch.Tensor:
+    """The first 8 of the 9 assistant positions [8, hidden], which do not depend on the answer.
+    header_embeds [3, thinker_hidden]: the thinker's input embeddings of `<|im_start|>`, `assistant`, `\\n`."""
+    text = talker.text_projection(header_embeds)
     pad, bos = specials[0], specials[1]
-    text_stream = torch.cat([text[:ASSISTANT_TEXT_POSITIONS], pad.expand(4, -1), bos[None], text[ASSISTANT_TEXT_POSITIONS:]])
-    codec = torch.tensor([ids.codec_nothink, ids.codec_think_bos, ids.codec_think_eos, speaker, ids.codec_pad, ids.codec_bos],
-                         device=assistant_embeds.device)
+    text_stream = torch.cat([text, pad.expand(4, -1), bos[None]])
+    codec = torch.tensor([ids.codec_nothink, ids.codec_think_bos, ids.codec_think_eos, speaker, ids.codec_pad], device=header_embeds.device)
     codec_stream = torch.cat([torch.zeros(ASSISTANT_TEXT_POSITIONS, text.shape[-1], dtype=text.dtype, device=text.device),
                               talker.model.codec_embedding(codec)])
     return text_stream + codec_stream
+
+
+def assistant_first(talker: OmniTalker, first_embed: torch.Tensor, ids: PromptIds) -> torch.Tensor:
+    """The 9th assistant position [1, hidden]: the first generated token [1, thinker_hidden] with codec_bos."""
+    bos = torch.tensor([ids.codec_bos], device=first_embed.device)
+    return talker.text_projection(first_embed) + talker.model.codec_embedding(bos)

@@ -9,6 +9,7 @@ the same reply.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -91,23 +92,43 @@ class Thinker:
         return self.model.get_input_embeddings()(tokens.to(self.device))
 
     @torch.inference_mode()
-    def prefill(self, inputs: ThinkerInputs, sampling: ThinkerSampling, seed: int) -> Prefilled:
+    def prefill(self, inputs: ThinkerInputs, sampling: ThinkerSampling, seed: int,
+                on_accept_layer: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> Prefilled:
+        """The prompt through the thinker. `on_accept_layer(embeds, hidden)` is called as soon as layer
+        `accept_hidden_layer` is done, while the layers above it still run (what the talker's prompt
+        needs is known by then)."""
         input_ids = inputs.input_ids.to(self.device)
         features = {k: v.to(self.device) for k, v in inputs.features.items()}
         if "input_features" in features:
             features["input_features"] = features["input_features"].to(self.model.dtype)
-        with self.lock:
-            out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True, output_hidden_states=True,
-                             **features)
-        seen = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
-        seen[input_ids[0]] = True
+        layers = self.model.model.layers
+        seen: dict[str, torch.Tensor] = {}
+
+        def keep_embeds(module, args, kwargs):
+            seen["embeds"] = (args[0] if args else kwargs["hidden_states"])[0]
+
+        def at_accept_layer(module, args, output):
+            seen["hidden"] = (output[0] if isinstance(output, tuple) else output)[0]
+            if on_accept_layer is not None:
+                on_accept_layer(seen["embeds"], seen["hidden"])
+
+        # hidden_states[k] of transformers' output is what layer k reads: the input embeddings, then each layer's output.
+        hooks = [layers[0].register_forward_pre_hook(keep_embeds, with_kwargs=True),
+                 layers[self.accept_hidden_layer - 1].register_forward_hook(at_accept_layer)]
+        try:
+            with self.lock:
+                out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True, **features)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        token_seen = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
+        token_seen[input_ids[0]] = True
         settings = RowSampling.zeros(1, self.device)
         settings.set_row(0, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p)
         penalty = sampling.repetition_penalty if sampling.do_sample else 1.0
         seed_hash = mix32(torch.tensor([seed & M32], device=self.device))
-        state = ThinkerState(out.past_key_values, input_ids.shape[1], int(out.rope_deltas.reshape(-1)[0]), seen, settings, seed_hash, penalty)
-        hidden_states = out.hidden_states
-        return Prefilled(state, out.logits[0, -1], hidden_states[0][0], hidden_states[self.accept_hidden_layer][0])
+        state = ThinkerState(out.past_key_values, input_ids.shape[1], int(out.rope_deltas.reshape(-1)[0]), token_seen, settings, seed_hash, penalty)
+        return Prefilled(state, out.logits[0, -1], seen["embeds"], seen["hidden"])
 
     @torch.inference_mode()
     def step(self, state: ThinkerState, token: int) -> torch.Tensor:
