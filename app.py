@@ -1,4 +1,4 @@
-"""Qwen3-TTS streaming demo: `python app.py` (also the Hugging Face Spaces entry point)."""
+"""Qwen3-TTS and Qwen3-Omni streaming demo: `python app.py` (also the Hugging Face Spaces entry point)."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +21,7 @@ def on_zero_gpu() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Streaming Qwen3-TTS demo: voice clone, custom voice and voice design.")
+    parser = argparse.ArgumentParser(description="Streaming Qwen3-TTS and Qwen3-Omni demo: voice clone, custom voice, voice design and Omni chat.")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), help="interface to listen on (env GRADIO_SERVER_NAME)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (env GRADIO_SERVER_PORT)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[],
         metavar="TYPE=CHECKPOINT[,CHECKPOINT]",
-        help="checkpoints per tab, the first the default: Hub ids, local directories or 'tiny'; TYPE is clone, custom or design "
+        help="checkpoints per tab, the first the default: Hub ids, local directories or 'tiny'; TYPE is clone, custom, design or omni "
         "(e.g. --models clone=Qwen/Qwen3-TTS-12Hz-1.7B-Base custom=Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice,Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)",
     )
     parser.add_argument("--tiny", action="store_true", help="serve the built-in tiny random checkpoints (noise; for trying the UI offline)")
