@@ -1,0 +1,294 @@
+"""Listening sessions without the app: session files and their error messages (with line numbers),
+the balanced trial design, votes in SQLite (checked, never duplicated, never lost: concurrent
+voters and a killed server), and the statistics against hand-computed values."""
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from pipeline.listening import ANCHOR, SessionError, Vote, VoteError, VoteStore, load_session, parse_session, trials
+from pipeline.listening import stats
+from conftest import voice_like
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str, name: str = "session.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def recordings(tmp_path):
+    """Two folder systems with one WAV per item, and a reference voice."""
+    for folder in ("human", "other"):
+        (tmp_path / folder).mkdir()
+        for i, item in enumerate(("one", "two")):
+            sf.write(tmp_path / folder / f"{item}.wav", voice_like(1.0, 24000, seed=i), 24000)
+    sf.write(tmp_path / "voice.wav", voice_like(3.0), 24000)
+    return tmp_path
+
+
+AB = """\
+name: demo
+test: ab
+trials_per_listener: 6
+systems:
+  - name: human
+    folder: human
+  - name: other
+    folder: other
+  - name: engine
+    checkpoint: tiny
+    mode: custom_voice
+    seed: 3
+    settings: {temperature: 0.8, schedule: [1, 2]}
+items:
+  - name: one
+    text: Hello there.
+    speaker: ryan
+  - name: two
+    text: Good evening.
+    speaker: vivian
+"""
+
+
+def test_the_sample_session_in_assets_is_valid():
+    session = load_session(REPO / "assets/listening/sizes-ab.yaml")
+    assert session.test == "ab" and [s.name for s in session.systems] == ["small", "large"] and len(session.items) == 3
+
+
+def test_a_valid_session(recordings):
+    session = load_session(write(recordings, AB))
+    assert [s.name for s in session.systems] == ["human", "other", "engine"]
+    request = session.system("engine").request(session.item("two"))
+    assert (request.speaker, request.seed, request.temperature, request.schedule, request.model_type) == ("vivian", 3, 0.8, (1, 2), "custom_voice")
+
+
+@pytest.mark.parametrize("change, message", [
+    (("test: ab", "test: abc"), "line 2: test must be one of ab, abx, mushra, not 'abc'."),
+    (("  - name: other\n", "  - name: human\n"), "line 7: duplicate name 'human' in systems (first on line 5)."),
+    (("    folder: other", "    folder: missing"), "line 8: the folder"),
+    (("    mode: custom_voice", "    mode: cloning"), "line 11: system 'engine' needs a mode: one of custom_voice, voice_design, clone, clone_x_vector."),
+    (("    speaker: vivian\n", ""), "line 18: item 'two' has no speaker, which system 'engine' (custom_voice) needs."),
+    (("seed: 3", "seed: -3"), "line 12: the seed of system 'engine' is a whole number from 0 to 2^32-1."),
+    (("{temperature: 0.8, schedule: [1, 2]}", "{temprature: 0.8}"), "line 13: unknown setting 'temprature' of system 'engine'"),
+    (("{temperature: 0.8, schedule: [1, 2]}", "{top_p: 2.0}"), "line 15: item 'one' with system 'engine': top_p"),
+    (("trials_per_listener: 6", "trials_per_listener: 0"), "line 3: trials_per_listener must be a positive whole number."),
+    (("items:", "itemz:"), "line 1: 'items' is missing."),
+    (("  - name: one", "  - name: one\n    txt: typo"), "line 16: unknown key 'txt' in item 'one'."),
+    (("name: demo", "name: demo\nname: again"), "line 2: 'name' is given twice."),
+    (("systems:", "systems: [\n"), "not valid YAML"),
+])
+def test_each_bad_session_file_gets_its_message(recordings, change, message):
+    path = write(recordings, AB.replace(*change))
+    with pytest.raises(SessionError) as error:
+        load_session(path)
+    assert str(error.value).startswith("session.yaml ") and message in str(error.value)
+
+
+def test_missing_and_unreadable_recordings_and_references(recordings):
+    (recordings / "other" / "two.wav").unlink()
+    with pytest.raises(SessionError, match=r"line 7: system 'other' has no recording of item 'two' \(.*other/two.wav is missing\)"):
+        load_session(write(recordings, AB))
+    (recordings / "other" / "two.wav").write_bytes(b"RIFF garbage")
+    with pytest.raises(SessionError, match=r"line 7: .*other/two.wav of system 'other' is not a readable WAV file."):
+        load_session(write(recordings, AB))
+    clone = AB.replace("mode: custom_voice", "mode: clone").replace("speaker: ryan", "reference_audio: nowhere.wav\n    reference_text: Hi.")
+    with pytest.raises(SessionError, match=r"line 17: the reference audio .*nowhere.wav of item 'one' does not exist."):
+        load_session(write(recordings, clone))
+
+
+def test_mushra_needs_a_known_reference(recordings):
+    mushra = AB.replace("test: ab", "test: mushra").replace("trials_per_listener: 6\n", "")
+    with pytest.raises(SessionError, match="line 1: a MUSHRA test needs a `reference:` system"):
+        load_session(write(recordings, mushra))
+    with pytest.raises(SessionError, match=r"line 3: unknown system 'humans' \(systems: human, other, engine\)."):
+        load_session(write(recordings, mushra.replace("test: mushra", "test: mushra\nreference: humans")))
+    session = load_session(write(recordings, mushra.replace("test: mushra", "test: mushra\nreference: human")))
+    assert session.trials_per_listener == 2
+
+
+# ---- the design ----------------------------------------------------------------------------------
+
+def session_of(test: str, systems: int, trials_per_listener: int, items: int = 3):
+    names = "\n".join(f"  - name: s{i}\n    checkpoint: tiny\n    mode: voice_design" for i in range(systems))
+    things = "\n".join(f"  - name: i{i}\n    text: Item {i}.\n    instruct: A calm voice." for i in range(items))
+    extra = "reference: s0\n" if test == "mushra" else f"trials_per_listener: {trials_per_listener}\n"
+    return parse_session(f"name: d\ntest: {test}\n{extra}systems:\n{names}\nitems:\n{things}\n", Path("."))
+
+
+@pytest.mark.parametrize("test, systems, per_listener", [("ab", 3, 12), ("ab", 4, 24), ("abx", 3, 24), ("ab", 3, 10)])
+def test_every_pair_and_order_equally_often_per_listener(test, systems, per_listener):
+    session = session_of(test, systems, per_listener)
+    blocks = len(list(itertools.permutations(range(systems), 2))) * (2 if test == "abx" else 1)
+    for listener in (f"listener-{n}" for n in range(200)):
+        drawn = trials(session, listener)
+        assert len(drawn) == per_listener and [t.index for t in drawn] == list(range(per_listener))
+        orders = Counter(t.clips for t in drawn)
+        assert len(orders) == min(blocks, len(orders)) and max(orders.values()) - min(orders.values()) <= 1
+        if per_listener % blocks == 0:
+            assert len(orders) == systems * (systems - 1) and set(orders.values()) == {per_listener // (systems * (systems - 1))}
+        assert max(Counter(t.item for t in drawn).values()) - min(Counter(t.item for t in drawn).values()) <= 1
+        if test == "abx":
+            assert Counter(t.x == t.clips[0] for t in drawn) == {True: per_listener // 2, False: per_listener // 2}
+    assert trials(session, "listener-7") == trials(session, "listener-7")  # a reload gets the same trials
+    assert trials(session, "listener-7") != trials(session, "listener-8")
+
+
+def test_left_right_positions_are_balanced_over_many_trials():
+    """A statistical check: over 500 listeners, each system is on the left half of the time (chi-square)."""
+    from scipy.stats import chisquare
+
+    session = session_of("ab", 4, 13)  # 13 does not divide by the 12 orders: balance within one
+    left = Counter(t.clips[0] for n in range(500) for t in trials(session, f"l{n}"))
+    assert chisquare(list(left.values())).pvalue > 0.01 and sum(left.values()) == 500 * 13
+
+
+def test_mushra_trial_holds_every_condition_once():
+    session = session_of("mushra", 3, 0)
+    drawn = trials(session, "ann")
+    assert len(drawn) == 3 and all(sorted(t.clips) == sorted(["s0", "s1", "s2", ANCHOR]) for t in drawn)
+    assert sorted(t.item for t in drawn) == ["i0", "i1", "i2"]
+
+
+# ---- votes ---------------------------------------------------------------------------------------
+
+def both_played(n: int = 2) -> dict:
+    return {str(i): 1 for i in range(n)} | {"x": 1}
+
+
+def test_votes_are_checked_and_stored_once(tmp_path):
+    session = session_of("ab", 3, 6)
+    store = VoteStore(tmp_path / "votes.db")
+    first = trials(session, "ann")[0]
+    with pytest.raises(VoteError, match="Play B to the end before voting."):
+        store.record(session, Vote("ann", 0, "A", plays={"0": 1}))
+    with pytest.raises(VoteError, match="There is no trial 6 for listener 'ann' \\(they have 6\\)."):
+        store.record(session, Vote("ann", 6, "A", plays=both_played()))
+    with pytest.raises(VoteError, match="Answer A, B, none, not 'C'."):
+        store.record(session, Vote("ann", 0, "C", plays=both_played()))
+    store.record(session, Vote("ann", 0, "B", confidence=4, comment="clearer", plays=both_played()))
+    with pytest.raises(VoteError, match="Trial 1 is already answered"):
+        store.record(session, Vote("ann", 0, "A", plays=both_played()))
+    votes = store.votes(session)
+    assert len(votes) == 1 and votes[0]["choice"] == first.clips[1] and votes[0]["clips"] == list(first.clips)
+    assert store.next_trial(session, "ann").index == 1 and store.next_trial(session, "ben").index == 0
+    closed = parse_session("name: c\ntest: ab\ntrials_per_listener: 2\nlisteners: [ann]\nsystems:\n  - {name: a, checkpoint: t, mode: voice_design}\n"
+                           "  - {name: b, checkpoint: t, mode: voice_design}\nitems:\n  - {name: i, text: Hi., instruct: Calm.}\n", Path("."))
+    with pytest.raises(VoteError, match="'eve' is not a listener of session 'c'."):
+        store.record(closed, Vote("eve", 0, "A", plays=both_played()))
+
+
+def test_concurrent_voters_lose_no_vote(tmp_path):
+    session = session_of("ab", 3, 6)
+    store = VoteStore(tmp_path / "votes.db")
+    errors = []
+
+    def listener(n: int) -> None:
+        try:
+            for trial in range(6):
+                store.record(session, Vote(f"l{n}", trial, "A", plays=both_played()))
+        except Exception as exc:  # collected: a thread's assert would not fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=listener, args=(n,)) for n in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(store.votes(session)) == 120
+
+
+KILLED_VOTER = """
+import sys, time
+from pathlib import Path
+from pipeline.listening import Vote, VoteStore, parse_session
+session = parse_session(sys.argv[2], Path("."))
+store = VoteStore(sys.argv[1])
+for n in range(10**6):
+    store.record(session, Vote(f"l{n // 6}", n % 6, "B", plays={"0": 1, "1": 1}))
+    print(n, flush=True)  # acknowledged: committed before this line
+"""
+
+
+def test_a_killed_server_keeps_every_acknowledged_vote(tmp_path):
+    session_text = "name: d\ntest: ab\ntrials_per_listener: 6\nsystems:\n" + "".join(
+        f"  - {{name: s{i}, checkpoint: t, mode: voice_design}}\n" for i in range(3)) + "items:\n  - {name: i, text: Hi., instruct: Calm.}\n"
+    db = tmp_path / "votes.db"
+    voter = subprocess.Popen([sys.executable, "-c", KILLED_VOTER, str(db), session_text], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    acknowledged = -1
+    for line in voter.stdout:
+        acknowledged = int(line)
+        if acknowledged >= 150:
+            break
+    os.kill(voter.pid, signal.SIGKILL)
+    voter.wait()
+    stored = VoteStore(db).votes(parse_session(session_text, Path(".")))
+    assert len(stored) >= acknowledged + 1 and len({(v["listener"], v["trial"]) for v in stored}) == len(stored)
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+def ab_votes(table: dict[tuple[str, str, str], int]) -> list[dict]:
+    """(left, right, choice) -> count, as stored votes."""
+    return [{"listener": f"l{n % 3}", "clips": [a, b], "choice": c} for (a, b, c), count in table.items() for n in range(count)]
+
+
+def test_pairwise_statistics_match_hand_computed_values():
+    votes = ab_votes({("x", "y", "x"): 5, ("y", "x", "x"): 3, ("x", "y", "y"): 2, ("y", "x", "none"): 4})
+    (pair,) = stats.pairwise(votes, ["x", "y"])
+    assert (pair.first_wins, pair.second_wins, pair.ties, pair.votes) == (8, 2, 4, 14)
+    # Wilson 95% for 8 of 10: (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n), z = 1.959964
+    assert pair.win_rate == 0.8 and pair.ci_low == pytest.approx(0.49016, abs=1e-4) and pair.ci_high == pytest.approx(0.94332, abs=1e-4)
+    assert pair.p_value == pytest.approx(0.109375)  # 2 * P(X >= 8), X ~ Bin(10, 1/2) = 2 * 56/1024
+
+
+def test_bradley_terry_strengths():
+    votes = ab_votes({("a", "b", "a"): 3, ("b", "a", "b"): 1})
+    scores = stats.bradley_terry(votes, ["a", "b"])
+    assert scores["a"][0] == 0.0 and scores["b"][0] == pytest.approx(np.log(1 / 3), abs=1e-6)  # log-odds of b over a
+    assert scores["b"][1] < scores["b"][0] < scores["b"][2]
+    three = stats.bradley_terry(ab_votes({("a", "b", "b"): 6, ("b", "a", "a"): 2, ("b", "c", "b"): 6, ("c", "b", "c"): 2,
+                                          ("a", "c", "a"): 4, ("c", "a", "c"): 4}), ["a", "b", "c"])
+    assert three["b"][0] > three["a"][0] == 0.0 and three["b"][0] > three["c"][0]
+
+
+def test_abx_and_mushra_and_consistency():
+    votes = [{"listener": "ann", "clips": ["p", "q"], "x": "p", "choice": "p"}] * 9 + [{"listener": "ann", "clips": ["q", "p"], "x": "q", "choice": "p"}]
+    result = stats.abx(votes)
+    assert result["listeners"]["ann"]["rate"] == 0.9 and result["listeners"]["ann"]["p_value"] == pytest.approx(11 / 1024)
+    ratings = [{"listener": "ann", "scores": {"ref": 100, "sys": 70}}, {"listener": "ben", "scores": {"ref": 80, "sys": 60}},
+               {"listener": "cat", "scores": {"ref": 90, "sys": 50}}]
+    result = stats.mushra(ratings, "ref")
+    assert result["flagged"] == ["ben"]  # rated the hidden reference below 90 in 1 of 1 items (> 15%)
+    sys_all = result["all"]["sys"]
+    assert sys_all["mean"] == 60.0 and sys_all["ci_high"] - 60.0 == pytest.approx(4.302653 * 10 / np.sqrt(3), abs=1e-4)
+    assert result["screened"]["sys"]["mean"] == 60.0 and result["screened"]["sys"]["n"] == 2
+    same = ab_votes({("a", "b", "a"): 3}) + [{"listener": "l0", "clips": ["a", "b"], "choice": "b"}] * 2
+    assert stats.consistency(same) == {"l0": 2 / 3}  # l1 and l2 judged the pair once: nothing to be consistent with
+
+
+def test_csv_export_holds_every_vote(tmp_path):
+    session = session_of("ab", 3, 6)
+    store = VoteStore(tmp_path / "votes.db")
+    for trial in range(3):
+        store.record(session, Vote("ann", trial, "none", comment='says "both, fine"', plays=both_played()))
+    text = stats.votes_csv(store.votes(session))
+    import csv
+    import io
+
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert len(rows) == 3 and rows[0]["comment"] == 'says "both, fine"' and json.loads(rows[0]["clips"]) == list(trials(session, "ann")[0].clips)
