@@ -76,6 +76,19 @@ def _read_file(path: Path, what: str = "reference audio") -> tuple[np.ndarray, i
         ) from e
 
 
+def load_clip(path: str | Path, sample_rate: int) -> np.ndarray:
+    """A recording of any length as float32 mono at `sample_rate` (a listening session's folder system)."""
+    wav, sr = _read_file(Path(path), "recording")
+    wav = _to_mono(wav) if wav.size else wav.reshape(-1)
+    if wav.size == 0 or not np.isfinite(wav).all():
+        raise TTSInputError(f"The recording {Path(path).name} is empty or holds NaN or infinite samples.")
+    if sr != sample_rate:
+        import librosa
+
+        wav = librosa.resample(wav, orig_sr=sr, target_sr=sample_rate)
+    return np.ascontiguousarray(wav, dtype=np.float32)
+
+
 def load_message_audio(source: AudioSource, sample_rate: int, max_seconds: float) -> np.ndarray:
     """A spoken chat message (file or in-memory clip, as `load_reference_audio` takes them) as
     float32 mono at `sample_rate`; TTSInputError for an unreadable, empty, silent or too long one."""

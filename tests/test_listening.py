@@ -292,3 +292,41 @@ def test_csv_export_holds_every_vote(tmp_path):
 
     rows = list(csv.DictReader(io.StringIO(text)))
     assert len(rows) == 3 and rows[0]["comment"] == 'says "both, fine"' and json.loads(rows[0]["clips"]) == list(trials(session, "ann")[0].clips)
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+
+def test_render_normalises_caches_and_rerenders_the_same_audio(tiny_checkpoints, recordings):
+    import pyloudnorm
+
+    from pipeline.listening.render import TARGET_LUFS, ClipCache
+    from pipeline.tts import TTS
+
+    text = AB.replace("checkpoint: tiny", f"checkpoint: {tiny_checkpoints['custom_voice']}").replace(
+        "settings: {temperature: 0.8, schedule: [1, 2]}", "settings: {max_frames: 15}").replace("test: ab", "test: mushra\nreference: human")
+    session = load_session(write(recordings, text.replace("trials_per_listener: 6\n", "")))
+    loaded = {}
+
+    def model_for(model_type, checkpoint):
+        loaded[checkpoint] = loaded.get(checkpoint) or TTS.from_pretrained(checkpoint)
+        return loaded[checkpoint]
+
+    cache = ClipCache(recordings / "clips")
+    steps = []
+    clips = cache.render(session, model_for, progress=lambda done, total: steps.append((done, total)))
+    assert len(clips) == 4 * 2 and steps[-1] == (8, 8) and cache.missing(session) == []
+    meter = pyloudnorm.Meter(24000)
+    for clip in clips:
+        audio, rate = sf.read(clip.path, dtype="float32")
+        assert rate == 24000 and abs(meter.integrated_loudness(audio.astype(np.float64)) - TARGET_LUFS) < 0.1
+    engine_clip = next(c for c in clips if c.system == "engine")
+    first, _ = sf.read(engine_clip.path, dtype="float32")
+    assert len(first) == 15 * 1920
+    assert cache.render(session, lambda *a: pytest.fail("a cached clip was rendered again")) == clips
+    engine_clip.path.unlink()
+    cache.render(session, model_for)
+    again, _ = sf.read(engine_clip.path, dtype="float32")
+    assert np.abs(again - first).max() <= 1e-6  # the engine's determinism: the same clip again
+    anchor, _ = sf.read(next(c for c in clips if c.system == ANCHOR and c.item == "one").path, dtype="float32")
+    spectrum = np.abs(np.fft.rfft(anchor))
+    assert spectrum[np.fft.rfftfreq(len(anchor), 1 / 24000) > 5000].max() < 1e-3 * spectrum.max()  # low-passed at 3.5 kHz
