@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 
+from pipeline.listening import Sessions
 from pipeline.service import ModelService, parse_models
 from ui.app import build_demo, launch_options
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rows", type=int, default=None,
         help="utterances each model decodes together (its batch; default 16 on CUDA, 4 on CPU); more wait in a FIFO queue",
     )
+    parser.add_argument("--sessions", default="listening", help="folder of the listening sessions: their files, clips and votes (SQLite)")
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link")
     parser.add_argument(
         "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step (faster start, ~2.5x slower frames)"
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     service.probe()
     if on_zero_gpu():
         service.preload()
-    demo = build_demo(service)
+    demo = build_demo(service, Sessions(args.sessions, service.model))
     demo.queue(default_concurrency_limit=None)
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_options())
 

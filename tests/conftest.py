@@ -54,16 +54,18 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def live_app(tiny_checkpoints):
-    """The app on a free localhost port, serving the tiny checkpoints with every model loaded: (url, service)."""
+def live_app(tiny_checkpoints, tmp_path_factory):
+    """The app on a free localhost port, serving the tiny checkpoints with every model loaded: (url, service, listening sessions)."""
+    from pipeline.listening import Sessions
     from pipeline.service import ModelService
     from ui.app import build_demo, launch_options
 
     service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)
     service.preload()  # loading is tested elsewhere; here every request should find its model ready
-    demo = build_demo(service)
+    sessions = Sessions(tmp_path_factory.mktemp("listening"), service.model)
+    demo = build_demo(service, sessions)
     demo.queue(default_concurrency_limit=None)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
-    yield f"http://127.0.0.1:{port}/", service
+    yield f"http://127.0.0.1:{port}/", service, sessions
     demo.close()

@@ -23,7 +23,7 @@ LONG = (0.9, 50, 1.0, 1.05, 7, "1", 160)  # one frame per chunk, up to 160 s: ru
 
 @pytest.fixture(scope="module")
 def server(live_app):
-    url, service = live_app
+    url, service, _ = live_app
     return {"url": url, "service": service}
 
 
@@ -159,3 +159,39 @@ def test_sessions_on_different_models_stream_at_the_same_time(server, speaker, r
     ]
     for job in jobs:
         assert len(tables(list(job))[-1]) >= 3
+
+
+def test_twenty_listeners_voting_at_once_through_gradio_client_lose_no_vote(live_app):
+    """Each simulated listener is its own gradio_client session: start, hear both clips, vote, all
+    at once; every vote is stored once, and a vote sent twice is refused, not duplicated."""
+    import threading
+
+    from gradio_client import Client
+
+    url, _, sessions = live_app
+    sessions.save("name: crowd\ntest: ab\ntrials_per_listener: 3\nsystems:\n"
+                  "  - {name: p, checkpoint: tiny, mode: voice_design, seed: 1, settings: {max_frames: 6}}\n"
+                  "  - {name: q, checkpoint: tiny, mode: voice_design, seed: 2, settings: {max_frames: 6}}\n"
+                  "items:\n  - {name: one, text: Hello there., instruct: A calm voice.}\n")
+    sessions.render("crowd")
+    errors = []
+
+    def listener(n: int) -> None:
+        try:
+            client = Client(url, verbose=False)
+            client.predict("crowd", f"l{n}", api_name="/listen_start")
+            for _ in range(3):
+                client.predict(api_name="/listen_played_0")
+                client.predict(api_name="/listen_played_1")
+                client.predict("crowd", f"l{n}", "B", None, "", *[50] * 8, api_name="/listen_vote")
+        except Exception as exc:  # collected: an assert in a thread would not fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=listener, args=(n,)) for n in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    votes = sessions.store.votes(sessions.session("crowd"))
+    assert len(votes) == 60 and len({(v["listener"], v["trial"]) for v in votes}) == 60

@@ -237,3 +237,71 @@ def test_omni_empty_message_shows_its_message(page):
     page.locator("#omni-message textarea").fill("  ")
     page.click("#omni-generate")
     page.get_by_text("The message is empty: type something or record / upload audio.").first.wait_for(timeout=30_000)
+
+
+# ---- listening sessions --------------------------------------------------------------------------
+
+LISTENING_SYSTEMS = """\
+systems:
+  - {name: zorblax, checkpoint: tiny, mode: voice_design, seed: 1, settings: {max_frames: 8}}
+  - {name: quintor, checkpoint: tiny, mode: voice_design, seed: 2, settings: {max_frames: 8}}
+items:
+  - {name: one, text: Hello there., instruct: A calm voice.}
+  - {name: two, text: Good evening., instruct: A deep voice.}
+"""
+
+
+def listen(page, session: str, listener: str) -> None:
+    page.goto(f"{page.url.split('?')[0]}?session={session}&listener={listener}")
+    page.wait_for_function(f"() => document.querySelector('#listen-session textarea, #listen-session input')?.value === '{session}'", timeout=30_000)
+    page.click("#listen-start")
+    page.wait_for_function("() => /Trial/.test(document.querySelector('#listen-progress').innerText)", timeout=60_000)
+
+
+def play_to_the_end(page, clip: str) -> None:
+    page.locator(f"#{clip} button[aria-label='Play']").click()
+
+
+def test_one_listener_through_an_ab_session_and_the_results(page, live_app):
+    _, _, sessions = live_app
+    sessions.save("name: browser-ab\ntest: ab\ntrials_per_listener: 2\n" + LISTENING_SYSTEMS)
+    sessions.render("browser-ab")
+    listen(page, "browser-ab", "ann")
+    assert "zorblax" not in page.content() and "quintor" not in page.content()  # blind: no system name anywhere on the page
+    for trial in (1, 2):
+        assert page.locator("#listen-submit").is_disabled()  # locked until both clips were heard to the end
+        play_to_the_end(page, "listen-clip-0")
+        play_to_the_end(page, "listen-clip-1")
+        page.wait_for_function("() => /vote is open/.test(document.querySelector('#listen-hint').innerText)", timeout=30_000)
+        page.locator("#listen-choice").get_by_text("A", exact=True).click()
+        page.click("#listen-submit")
+        expected = "Trial 2 of 2" if trial == 1 else "All trials done"
+        page.wait_for_function(f"() => document.querySelector('#listen-progress').innerText.includes('{expected}')", timeout=30_000)
+    votes = sessions.store.votes(sessions.session("browser-ab"))
+    assert [v["trial"] for v in votes] == [0, 1] and all(v["plays"]["0"] >= 1 and v["plays"]["1"] >= 1 for v in votes)
+    page.get_by_role("tab", name="Results").click()
+    page.locator("#results-session input").fill("browser-ab")
+    page.locator("#results-session input").press("Enter")
+    page.click("#results-refresh")
+    page.wait_for_function("() => /2 votes/.test(document.querySelector('#results-summary').innerText)", timeout=30_000)
+    assert "zorblax vs quintor" in page.locator("#results-table").inner_text()
+
+
+def test_one_listener_rates_a_mushra_item(page, live_app):
+    _, _, sessions = live_app
+    sessions.save("name: browser-mushra\ntest: mushra\nreference: zorblax\ntrials_per_listener: 1\n" + LISTENING_SYSTEMS)
+    sessions.render("browser-mushra")
+    listen(page, "browser-mushra", "ben")
+    assert page.locator("#listen-reference").is_visible() and page.locator("#listen-clip-3").is_hidden()
+    for i in range(3):  # zorblax (the hidden reference), quintor, the anchor
+        play_to_the_end(page, f"listen-clip-{i}")
+    page.wait_for_function("() => /vote is open/.test(document.querySelector('#listen-hint').innerText)", timeout=30_000)
+    for i, score in enumerate((95, 40, 10)):
+        box = page.locator(f"#listen-score-{i} input[type=number]")
+        box.fill(str(score))
+        box.press("Enter")
+    time.sleep(0.5)
+    page.click("#listen-submit")
+    page.wait_for_function("() => document.querySelector('#listen-progress').innerText.includes('All trials done')", timeout=30_000)
+    (vote,) = sessions.store.votes(sessions.session("browser-mushra"))
+    assert sorted(vote["scores"].values()) == [10.0, 40.0, 95.0] and set(vote["scores"]) == {"zorblax", "quintor", "anchor"}

@@ -330,3 +330,12 @@ def test_render_normalises_caches_and_rerenders_the_same_audio(tiny_checkpoints,
     anchor, _ = sf.read(next(c for c in clips if c.system == ANCHOR and c.item == "one").path, dtype="float32")
     spectrum = np.abs(np.fft.rfft(anchor))
     assert spectrum[np.fft.rfftfreq(len(anchor), 1 / 24000) > 5000].max() < 1e-3 * spectrum.max()  # low-passed at 3.5 kHz
+
+
+def test_check_command(recordings, capsys):
+    from pipeline.listening.__main__ import main
+
+    assert main(["check", str(REPO / "assets/listening/sizes-ab.yaml")]) == 0
+    assert "sizes-ab: AB, 2 systems (small, large), 3 items, 12 trials per listener" in capsys.readouterr().out
+    assert main(["check", str(write(recordings, AB.replace("test: ab", "test: abc")))]) == 2
+    assert "error: session.yaml line 2: test must be one of ab, abx, mushra, not 'abc'." in capsys.readouterr().err

@@ -4,7 +4,10 @@ from __future__ import annotations
 import gradio as gr
 
 from pipeline.service import MAX_UPLOAD_BYTES, ModelService
-from ui import controls, custom_voice, omni_chat, voice_clone, voice_design
+import tempfile
+
+from pipeline.listening import Sessions
+from ui import controls, custom_voice, listening, omni_chat, voice_clone, voice_design
 from ui.latency import player_head
 from ui.pcm_stream import CHANNELS
 
@@ -23,16 +26,20 @@ CSS = """
 """
 
 
-def build_demo(service: ModelService) -> gr.Blocks:
+def build_demo(service: ModelService, sessions: Sessions | None = None) -> gr.Blocks:
+    """The page; `sessions`: the listening sessions' folder and votes (a temporary one if None)."""
+    sessions = sessions or Sessions(tempfile.mkdtemp(prefix="listening-"), service.model)
     with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:
         banner = gr.Markdown(controls.banner_markdown(service), visible=bool(controls.banner_markdown(service)), elem_id="banner")
         gr.Markdown(INTRO)
-        with gr.Tabs():
+        with gr.Tabs() as page_tabs:
             tabs = [module.build(service, banner) for module in (voice_clone, custom_voice, voice_design, omni_chat)]
+            listen = listening.build(sessions)
         for parts in tabs:
             controls.wire_loading(parts)
         first = tabs[0]  # the tab on screen at page load is "first used" as the page opens
         demo.load(first.load, inputs=first.load_inputs, outputs=first.load_outputs, api_visibility="private")
+        demo.load(listening.from_link, outputs=[page_tabs, listen.views, listen.session, listen.listener], api_visibility="private")
     return demo
 
 

@@ -1,0 +1,250 @@
+"""Listening test tab: Listen (blind trials, reached by a per-session link), Results (live, with
+confidence intervals, CSV export) and Organize (write, check and render a session file)."""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from pipeline.errors import TTSInputError
+from pipeline.listening import NO_PREFERENCE, SessionError, Sessions, TrialView, Vote, VoteError
+
+NAME = "listening"
+MAX_CONDITIONS = 8  # MUSHRA conditions shown at once (the hidden reference and the anchor included)
+SAMPLE = Path(__file__).resolve().parents[1] / "assets" / "listening" / "sizes-ab.yaml"
+RESULTS_EVERY_S = 5.0
+CHOICES = {"A": "A", "B": "B", "No preference": NO_PREFERENCE}
+
+
+@dataclasses.dataclass
+class ListenParts:
+    session: gr.Textbox
+    listener: gr.Textbox
+    start: gr.Button
+    views: gr.Tabs | None = None
+
+
+def share_link(name: str) -> str:
+    return f"Share this link with the listeners (each adds `&listener=THEIR_ID`, or types an id): `/?session={name}`"
+
+
+def build(sessions: Sessions) -> ListenParts:
+    with gr.Tab("Listening test", id=NAME):
+        gr.Markdown("Blind AB / ABX / MUSHRA listening sessions with clips rendered by the engine, loudness-matched to −23 LUFS.")
+        with gr.Tabs(selected="listen-view") as views:
+            with gr.Tab("Listen", id="listen-view"):
+                parts = _listen_view(sessions)
+            with gr.Tab("Results", id="results-view"):
+                _results_view(sessions)
+            with gr.Tab("Organize", id="organize-view"):
+                _organize_view(sessions)
+    parts.views = views
+    return parts
+
+
+# ---- Listen --------------------------------------------------------------------------------------
+
+def _listen_view(sessions: Sessions) -> ListenParts:
+    with gr.Row():
+        session = gr.Textbox(label="Session", elem_id="listen-session", scale=2)
+        listener = gr.Textbox(label="Your listener id", elem_id="listen-listener", scale=2)
+        start = gr.Button("Start or resume", variant="primary", elem_id="listen-start", scale=1)
+    progress = gr.Markdown("", elem_id="listen-progress")
+    text = gr.Markdown("", elem_id="listen-text")
+    reference = gr.Audio(label="Reference", type="filepath", interactive=False, visible=False, elem_id="listen-reference")
+    clips, scores = [], []
+    with gr.Row():
+        for i in range(MAX_CONDITIONS):
+            with gr.Column(min_width=160):
+                clips.append(gr.Audio(label=chr(ord("A") + i), type="filepath", interactive=False, visible=False, elem_id=f"listen-clip-{i}"))
+                scores.append(gr.Slider(0, 100, value=50, step=1, label="Score", visible=False, elem_id=f"listen-score-{i}"))
+    x_clip = gr.Audio(label="X", type="filepath", interactive=False, visible=False, elem_id="listen-x")
+    choice = gr.Radio(list(CHOICES), label="Which do you prefer?", visible=False, elem_id="listen-choice")
+    with gr.Row():
+        confidence = gr.Radio(["1", "2", "3", "4", "5"], label="Confidence (optional: 1 unsure, 5 certain)", visible=False, elem_id="listen-confidence")
+        comment = gr.Textbox(label="Comment (optional)", visible=False, elem_id="listen-comment")
+    hint = gr.Markdown("", elem_id="listen-hint")
+    submit = gr.Button("Submit vote", variant="primary", interactive=False, visible=False, elem_id="listen-submit")
+    current = gr.State(None)  # the TrialView on screen
+    plays = gr.State({})  # clip -> times played to the end ("0", "1", ..., "x")
+
+    trial_outputs = [current, plays, progress, text, reference, *clips, *scores, x_clip, choice, confidence, comment, hint, submit]
+
+    def show(view: TrialView | None, note: str = "") -> list:
+        if view is None:
+            hidden = [gr.update(visible=False, value=None)] * (1 + MAX_CONDITIONS) + [gr.update(visible=False)] * MAX_CONDITIONS
+            return [None, {}, "**All trials done. Thank you!**" + (f" {note}" if note else ""), "", *hidden, gr.update(visible=False, value=None),
+                    gr.update(visible=False, value=None), gr.update(visible=False, value=None), gr.update(visible=False, value=""), "",
+                    gr.update(visible=False)]
+        mushra = view.test == "mushra"
+        n = len(view.clips)
+        clip_updates = [gr.update(visible=i < n, value=view.clips[i] if i < n else None, label=_label(view, i)) for i in range(MAX_CONDITIONS)]
+        score_updates = [gr.update(visible=mushra and i < n, value=50) for i in range(MAX_CONDITIONS)]
+        question = "Which do you prefer?" if view.test == "ab" else "Is X the same as A or as B?"
+        choices = list(CHOICES) if view.test == "ab" else ["A", "B"]
+        return [view, {}, f"Trial **{view.answered + 1}** of {view.total} · {note}".rstrip(" ·"), f"> {view.text}",
+                gr.update(visible=mushra, value=view.reference), *clip_updates, *score_updates,
+                gr.update(visible=view.x is not None, value=view.x), gr.update(visible=not mushra, value=None, choices=choices, label=question),
+                gr.update(visible=True, value=None), gr.update(visible=True, value=""), _hint(view, {}), gr.update(visible=True, interactive=False)]
+
+    def begin(name: str, who: str):
+        try:
+            return show(sessions.trial(name.strip(), who.strip()))
+        except (SessionError, VoteError) as exc:
+            raise gr.Error(str(exc)) from None
+
+    def played(view: TrialView | None, counts: dict, key: str):
+        counts = {**(counts or {}), key: (counts or {}).get(key, 0) + 1}
+        ready = view is not None and _all_played(view, counts)
+        return counts, _hint(view, counts), gr.update(interactive=ready)
+
+    def vote(name: str, who: str, view: TrialView | None, counts: dict, answer, sure, note, *values):
+        if view is None:
+            raise gr.Error("Press Start or resume first.")
+        if view.test == "mushra":
+            ballot = Vote(who.strip(), view.index, scores={str(i): values[i] for i in range(len(view.clips))}, plays=counts, comment=note or "",
+                          confidence=int(sure) if sure else None)
+        else:
+            if answer is None:
+                raise gr.Error("Choose an answer first.")
+            ballot = Vote(who.strip(), view.index, CHOICES.get(answer, answer), plays=counts, comment=note or "", confidence=int(sure) if sure else None)
+        try:
+            return show(sessions.vote(name.strip(), ballot), "vote saved")
+        except VoteError as exc:
+            if "already answered" not in str(exc):
+                raise gr.Error(str(exc)) from None
+            gr.Warning(str(exc))  # answered in another tab: move on to what is left
+            return show(sessions.trial(name.strip(), who.strip()))
+
+    start.click(begin, inputs=[session, listener], outputs=trial_outputs, api_name="listen_start")
+    # Played to the end (the players' "stop" event); named so that scripted listeners (tests, API clients) can do what a browser does.
+    for i, clip in enumerate(clips):
+        clip.stop(lambda v, c, key=str(i): played(v, c, key), inputs=[current, plays], outputs=[plays, hint, submit],
+                  api_name=f"listen_played_{i}", api_visibility="undocumented")
+    x_clip.stop(lambda v, c: played(v, c, "x"), inputs=[current, plays], outputs=[plays, hint, submit], api_name="listen_played_x",
+                api_visibility="undocumented")
+    submit.click(vote, inputs=[session, listener, current, plays, choice, confidence, comment, *scores], outputs=trial_outputs,
+                 api_name="listen_vote", concurrency_limit=None)
+    return ListenParts(session, listener, start)
+
+
+def _label(view: TrialView, i: int) -> str:
+    return f"Condition {i + 1}" if view.test == "mushra" else chr(ord("A") + i)
+
+
+def _all_played(view: TrialView, counts: dict) -> bool:
+    keys = [str(i) for i in range(len(view.clips))] + (["x"] if view.x else [])
+    return all(counts.get(k, 0) >= 1 for k in keys)
+
+
+def _hint(view: TrialView | None, counts: dict) -> str:
+    if view is None:
+        return ""
+    if _all_played(view, counts):
+        return "Every clip was heard to the end: the vote is open."
+    left = [_label(view, i) for i in range(len(view.clips)) if counts.get(str(i), 0) < 1] + (["X"] if view.x and counts.get("x", 0) < 1 else [])
+    return f"Play {', '.join(left)} to the end to unlock the vote."
+
+
+# ---- Results -------------------------------------------------------------------------------------
+
+def _results_view(sessions: Sessions) -> None:
+    with gr.Row():
+        name = gr.Dropdown(sessions.names(), label="Session", allow_custom_value=True, elem_id="results-session")
+        refresh = gr.Button("Refresh", elem_id="results-refresh")
+        download = gr.DownloadButton("Download every vote (CSV)", elem_id="results-csv")
+    summary = gr.Markdown("", elem_id="results-summary")
+    table = gr.Dataframe(label="Per pair / per condition", interactive=False, elem_id="results-table")
+    ranking = gr.Dataframe(label="Ranking / per listener", interactive=False, elem_id="results-ranking")
+    plot = gr.BarPlot(pd.DataFrame({"system": [], "value": []}), x="system", y="value", label="Scores", elem_id="results-plot")
+    timer = gr.Timer(RESULTS_EVERY_S)
+
+    def show(session: str | None):
+        if not session:
+            return "", None, None, gr.update(), None
+        try:
+            result = sessions.results(session)
+        except SessionError as exc:
+            return str(exc), None, None, gr.update(), None
+        head = f"**{result['votes']} votes** from {result['listeners']} listeners · {result['test'].upper()}"
+        frames = _result_frames(result)
+        csv = Path(tempfile.mkdtemp()) / f"{session}-votes.csv"
+        csv.write_text(sessions.votes_csv(session), encoding="utf-8")
+        return head, *frames, str(csv)
+
+    outputs = [summary, table, ranking, plot, download]
+    name.change(show, inputs=name, outputs=outputs, api_visibility="private")
+    refresh.click(show, inputs=name, outputs=outputs, api_name="results")
+    timer.tick(show, inputs=name, outputs=outputs, api_visibility="private", show_progress="hidden")
+    refresh.click(lambda: gr.update(choices=sessions.names()), outputs=name, api_visibility="private")
+
+
+def _result_frames(result: dict) -> tuple:
+    if result["test"] == "ab":
+        pairs = pd.DataFrame([{"pair": f"{p.first} vs {p.second}", "votes": p.votes, "wins of first": p.first_wins, "wins of second": p.second_wins,
+                               "no preference": p.ties, "win rate of first": round(p.win_rate, 3), "95% CI": f"{p.ci_low:.3f}-{p.ci_high:.3f}",
+                               "sign test p": round(p.p_value, 4)} for p in result["pairs"]])
+        ranking = pd.DataFrame([{"system": s, "Bradley-Terry score": round(v[0], 3), "95% CI": f"{v[1]:.3f} to {v[2]:.3f}"}
+                                for s, v in sorted(result["ranking"].items(), key=lambda kv: -kv[1][0])])
+        plot = pd.DataFrame({"system": list(result["ranking"]), "value": [v[0] for v in result["ranking"].values()]})
+        return pairs, ranking, plot
+    if result["test"] == "abx":
+        pairs = pd.DataFrame([{"pair": k, **{a: round(b, 4) if isinstance(b, float) else b for a, b in v.items()}} for k, v in result["abx"]["pairs"].items()])
+        listeners = pd.DataFrame([{"listener": k, **{a: round(b, 4) if isinstance(b, float) else b for a, b in v.items()}}
+                                  for k, v in result["abx"]["listeners"].items()])
+        plot = pd.DataFrame({"system": list(result["abx"]["pairs"]), "value": [v["rate"] for v in result["abx"]["pairs"].values()]})
+        return pairs, listeners, plot
+    mushra = result["mushra"]
+    rows = [{"condition": c, "mean": round(v["mean"], 1), "95% CI": f"{v['ci_low']:.1f}-{v['ci_high']:.1f}", "ratings": v["n"],
+             "mean after screening": round(mushra["screened"].get(c, {"mean": float("nan")})["mean"], 1)} for c, v in mushra["all"].items()]
+    flagged = pd.DataFrame({"listeners flagged by BS.1534 post-screening (not removed above)": mushra["flagged"]})
+    plot = pd.DataFrame({"system": list(mushra["all"]), "value": [v["mean"] for v in mushra["all"].values()]})
+    return pd.DataFrame(rows), flagged, plot
+
+
+# ---- Organize ------------------------------------------------------------------------------------
+
+def _organize_view(sessions: Sessions) -> None:
+    gr.Markdown("Write or paste a session file (format: the sample below and the README). Paths are relative to the sessions folder. "
+                "**Save and render** stores it and renders every clip through the engine (cached: unchanged clips are not rendered again).")
+    existing = gr.Dropdown(sessions.names(), label="Open a saved session", elem_id="organize-open")
+    text = gr.Code(SAMPLE.read_text(encoding="utf-8"), language="yaml", label="Session file", elem_id="organize-text")
+    with gr.Row():
+        check = gr.Button("Check", elem_id="organize-check")
+        save = gr.Button("Save and render", variant="primary", elem_id="organize-save")
+    status = gr.Markdown("", elem_id="organize-status")
+
+    def checked(source: str) -> str:
+        try:
+            session = sessions.check(source)
+        except SessionError as exc:
+            raise gr.Error(str(exc)) from None
+        return f"✔ `{session.name}`: {session.test.upper()}, {len(session.systems)} systems, {len(session.items)} items, " \
+               f"{session.trials_per_listener} trials per listener."
+
+    def saved(source: str, progress=gr.Progress()) -> tuple:
+        try:
+            session = sessions.save(source)
+            clips = sessions.render(session.name, lambda done, total: progress(done / max(total, 1), desc=f"Rendering clip {done} of {total}"))
+        except TTSInputError as exc:  # a bad file, or a checkpoint this app does not serve
+            raise gr.Error(str(exc)) from None
+        return f"✔ `{session.name}` saved; {clips} clips ready. " + share_link(session.name), gr.update(choices=sessions.names(), value=session.name)
+
+    def opened(name: str) -> str:
+        path = sessions.root / name / "session.yaml"
+        return path.read_text(encoding="utf-8") if name and path.is_file() else gr.update()
+
+    check.click(checked, inputs=text, outputs=status, api_name="session_check")
+    save.click(saved, inputs=text, outputs=[status, existing], api_name="session_save")
+    existing.change(opened, inputs=existing, outputs=text, api_visibility="private")
+
+
+def from_link(request: gr.Request) -> tuple:
+    """A per-session link (`/?session=NAME[&listener=ID]`) opens the Listen view with both filled in."""
+    params = dict(request.query_params) if request is not None else {}
+    if "session" not in params:
+        return gr.update(), gr.update(), gr.update(), gr.update()
+    return gr.update(selected=NAME), gr.update(selected="listen-view"), params["session"], params.get("listener", "")
