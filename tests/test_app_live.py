@@ -1,9 +1,12 @@
 """The app served on localhost with the tiny checkpoints, driven through `gradio_client` and the PCM
 route: every tab streams, every bad input gets its own message and the app keeps serving, Stop
-frees the engine's row at once, and several sessions are served at the same time."""
+frees the engine's row at once, and several sessions are served at the same time; listening
+sessions take 20 voters at once and keep every acknowledged vote through a killed server."""
+import os
 import struct
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -195,3 +198,61 @@ def test_twenty_listeners_voting_at_once_through_gradio_client_lose_no_vote(live
     assert not errors, errors[:3]
     votes = sessions.store.votes(sessions.session("crowd"))
     assert len(votes) == 60 and len({(v["listener"], v["trial"]) for v in votes}) == 60
+
+
+def test_killing_the_server_mid_session_keeps_every_acknowledged_vote(tmp_path):
+    """`python app.py` as its own process: votes go in through the API, the process is killed with
+    SIGKILL mid-session, a new one starts on the same sessions folder, and the listener resumes
+    exactly after the last acknowledged vote."""
+    import signal
+    import subprocess
+    import sys
+    import time as clock
+
+    from gradio_client import Client
+
+    from conftest import free_port
+
+    repo = Path(__file__).resolve().parents[1]
+    sessions_dir = tmp_path / "sessions"
+    session_text = ("name: durable\ntest: ab\ntrials_per_listener: 6\nsystems:\n"
+                    "  - {name: p, checkpoint: tiny, mode: voice_design, seed: 1, settings: {max_frames: 6}}\n"
+                    "  - {name: q, checkpoint: tiny, mode: voice_design, seed: 2, settings: {max_frames: 6}}\n"
+                    "items:\n  - {name: one, text: Hello there., instruct: A calm voice.}\n")
+
+    def start() -> tuple[subprocess.Popen, Client]:
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "app.py", "--tiny", "--port", str(port), "--sessions", str(sessions_dir)], cwd=repo,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        deadline = clock.monotonic() + 240
+        while True:
+            try:
+                return server, Client(f"http://127.0.0.1:{port}/", verbose=False)
+            except Exception:
+                if clock.monotonic() > deadline or server.poll() is not None:
+                    server.kill()
+                    raise
+                clock.sleep(1)
+
+    server, client = start()
+    try:
+        client.predict(session_text, api_name="/session_save")
+        client.predict("durable", "ann", api_name="/listen_start")
+        for _ in range(4):
+            client.predict(api_name="/listen_played_0")
+            client.predict(api_name="/listen_played_1")
+            client.predict("durable", "ann", "A", None, "", *[50] * 8, api_name="/listen_vote")  # acknowledged on return
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+    server, client = start()
+    try:
+        progress = client.predict("durable", "ann", api_name="/listen_start")[0]
+        assert "Trial **5** of 6" in progress
+    finally:
+        server.kill()
+        server.wait()
+    from pipeline.listening import Sessions
+
+    votes = Sessions(sessions_dir, None).store.votes(Sessions(sessions_dir, None).session("durable"))
+    assert [v["trial"] for v in votes] == [0, 1, 2, 3]

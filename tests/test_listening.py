@@ -339,3 +339,26 @@ def test_check_command(recordings, capsys):
     assert "sizes-ab: AB, 2 systems (small, large), 3 items, 12 trials per listener" in capsys.readouterr().out
     assert main(["check", str(write(recordings, AB.replace("test: ab", "test: abc")))]) == 2
     assert "error: session.yaml line 2: test must be one of ab, abx, mushra, not 'abc'." in capsys.readouterr().err
+
+
+def test_sessions_service_messages(tmp_path, recordings):
+    from pipeline.listening import Sessions
+
+    never = Sessions(tmp_path / "s", lambda *a: pytest.fail("nothing should render"))
+    text = "name: svc\ntest: ab\ntrials_per_listener: 2\nsystems:\n  - {name: a, checkpoint: t, mode: voice_design}\n" \
+           "  - {name: b, checkpoint: t, mode: voice_design}\nitems:\n  - {name: i, text: Hi., instruct: Calm.}\n"
+    never.save(text)
+    with pytest.raises(SessionError, match="The clips of session 'svc' are not rendered yet; ask the organizer to render them."):
+        never.trial("svc", "ann")
+    with pytest.raises(SessionError, match="There is no listening session 'nope'."):
+        never.trial("nope", "ann")
+    with pytest.raises(VoteError, match="Enter a listener id"):
+        never.trial("svc", "  ")
+    outside = AB.replace("folder: human", f"folder: {recordings / 'human'}").replace("folder: other", f"folder: {recordings / 'other'}")
+    with pytest.raises(SessionError, match="is outside the sessions folder"):
+        never.check(outside)
+    # A session with votes keeps its file: a changed one must get a new name.
+    never.store.record(never.session("svc"), Vote("ann", 0, "A", plays=both_played()))
+    never.save(text)  # the same file again is fine
+    with pytest.raises(SessionError, match="Session 'svc' already has votes: save the changed file under a new name."):
+        never.save(text.replace("Hi.", "Hello."))
