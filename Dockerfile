@@ -1,7 +1,7 @@
 # The demo on a CUDA machine:
 #   docker build -t qwen3-tts-demo .
-#   docker run --gpus all -p 7860:7860 -v qwen3-tts-models:/home/user/.cache/huggingface qwen3-tts-demo
-# The named volume keeps the downloaded checkpoints across containers. Without a GPU the app runs on
+#   docker run --gpus all -p 7860:7860 -v qwen3-tts-models:/home/user/.cache/huggingface -v qwen3-tts-listening:/home/user/listening qwen3-tts-demo
+# The named volumes keep the downloaded checkpoints and the listening sessions (files, clips, votes) across containers. Without a GPU the app runs on
 # the CPU (slowly); add `--tiny` to the command to try the interface without any download.
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
@@ -24,7 +24,7 @@ COPY --chown=user requirements.txt .
 RUN pip install --no-cache-dir -r requirements.txt
 
 COPY --chown=user . .
-RUN mkdir -p $HF_HOME
-VOLUME ["/home/user/.cache/huggingface"]
+RUN mkdir -p $HF_HOME /home/user/listening
+VOLUME ["/home/user/.cache/huggingface", "/home/user/listening"]
 EXPOSE 7860
-CMD ["python", "app.py"]
+CMD ["python", "app.py", "--sessions", "/home/user/listening"]
