@@ -256,3 +256,25 @@ def test_killing_the_server_mid_session_keeps_every_acknowledged_vote(tmp_path):
 
     votes = Sessions(sessions_dir, None).store.votes(Sessions(sessions_dir, None).session("durable"))
     assert [v["trial"] for v in votes] == [0, 1, 2, 3]
+
+
+def test_one_listener_in_two_tabs_votes_each_trial_once(live_app):
+    url, _, sessions = live_app
+    sessions.save("name: tabs\ntest: ab\ntrials_per_listener: 2\nsystems:\n"
+                  "  - {name: p, checkpoint: tiny, mode: voice_design, seed: 1, settings: {max_frames: 6}}\n"
+                  "  - {name: q, checkpoint: tiny, mode: voice_design, seed: 2, settings: {max_frames: 6}}\n"
+                  "items:\n  - {name: one, text: Hello there., instruct: A calm voice.}\n")
+    sessions.render("tabs")
+    first, second = Client(url, verbose=False), Client(url, verbose=False)
+    for tab in (first, second):
+        assert "Trial **1** of 2" in tab.predict("tabs", "ann", api_name="/listen_start")[0]
+    with pytest.raises(AppError, match="Play A and B to the end before voting."):
+        first.predict("tabs", "ann", "A", None, "", *[50] * 8, api_name="/listen_vote")
+    for tab in (first, second):
+        tab.predict(api_name="/listen_played_0")
+        tab.predict(api_name="/listen_played_1")
+    assert "Trial **2** of 2" in first.predict("tabs", "ann", "A", None, "", *[50] * 8, api_name="/listen_vote")[0]
+    # The second tab still shows trial 1: its vote is refused, not stored twice, and it moves on to trial 2.
+    assert "Trial **2** of 2" in second.predict("tabs", "ann", "B", None, "", *[50] * 8, api_name="/listen_vote")[0]
+    votes = sessions.store.votes(sessions.session("tabs"))
+    assert [(v["trial"], v["choice"]) for v in votes] == [(0, votes[0]["clips"][0])]

@@ -153,7 +153,7 @@ def banner_markdown(service: ModelService) -> str:
         return (
             "### ⚠️ Random weights: the audio is noise\n"
             f"The app serves the built-in tiny random checkpoints in {which} (`--tiny`, or `tiny` in `--models`), "
-            "for trying the interface and measuring its latency. Start it without them to use the real Qwen3-TTS checkpoints."
+            "for trying the interface and measuring its latency. Start it without them to use the real Qwen3-TTS and Qwen3-Omni checkpoints."
         )
     return ""
 
