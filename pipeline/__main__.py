@@ -93,8 +93,6 @@ def _request(options: dict) -> SpeechRequest:
 
 
 def synth(args: argparse.Namespace) -> None:
-    import soundfile as sf
-
     from pipeline.tts import TTS
 
     request = _request({name: getattr(args, name) for name in REQUEST_OPTIONS})
@@ -106,13 +104,20 @@ def synth(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     result = tts.synthesize(request)
     wall = time.perf_counter() - start
-    for warning in result.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    sf.write(args.out, result.audio, result.sample_rate, subtype="FLOAT" if args.out.suffix.lower() == ".wav" else None)
+    write_audio(args.out, result.audio, result.sample_rate, result.warnings)
     if args.codes_out is not None:
         save_codes(args.codes_out, result.codes)
     seconds = len(result.audio) / result.sample_rate
     print(f"frames: {len(result.codes)}  audio: {seconds:.2f} s  wall: {wall:.2f} s  RTF: {wall / seconds:.3f}  -> {args.out}")
+
+
+def write_audio(path: Path, audio: np.ndarray, sample_rate: int, warnings: list[str]) -> None:
+    """The result's warnings on stderr, its audio to `path` (float WAV, or the format of the extension)."""
+    import soundfile as sf
+
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    sf.write(path, audio, sample_rate, subtype="FLOAT" if path.suffix.lower() == ".wav" else None)
 
 
 def save_codes(path: Path, codes: np.ndarray) -> None:
@@ -210,8 +215,6 @@ def synth_batch(args: argparse.Namespace) -> int:
 
 
 def chat(args: argparse.Namespace) -> None:
-    import soundfile as sf
-
     from pipeline.audio import load_message_audio
     from pipeline.loading import read_json, resolve_checkpoint
     from pipeline.omni import MAX_AUDIO_SECONDS, ChatRequest, OmniChat, PromptIds, Turn
@@ -236,9 +239,7 @@ def chat(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     reply = model.reply(request)
     wall = time.perf_counter() - start
-    for warning in reply.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    sf.write(args.out, reply.audio, model.sample_rate, subtype="FLOAT" if args.out.suffix.lower() == ".wav" else None)
+    write_audio(args.out, reply.audio, model.sample_rate, reply.warnings)
     if args.text_out is not None:
         with open(args.text_out, "w", encoding="utf-8", newline="") as f:
             f.write(reply.text)

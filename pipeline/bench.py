@@ -286,12 +286,17 @@ def main(argv: list[str] | None = None) -> int:
             report["sizes"][size] = bench_size(size, workdir, args.rows, args.streams, args.frames)
             print(size, json.dumps(report["sizes"][size]), flush=True)
             torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{report['date']}-{report['gpu'].replace(' ', '_')}-{'-'.join(args.sizes)}"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    (args.out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, "-".join(args.sizes), report, markdown(report))
     return 0
+
+
+def write_report(out: Path, name: str, report: dict, table: str) -> None:
+    """DATE-GPU-NAME.json and .md in `out`; the table also on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{report['date']}-{report['gpu'].replace(' ', '_')}-{name}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (out / f"{stem}.md").write_text(table)
+    print(table)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.bench import write_report
 from pipeline.engine import Chunk
 from pipeline.omni import ChatEnd, ChatRequest, Code2Wav, Code2WavConfig, OmniChat, OmniTalker, OmniTalkerConfig, PromptIds, TextDelta, Turn
 from pipeline.omni.thinker import Thinker
@@ -241,11 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         report["thinker_moe"] = {name: thinker_token_ms(chat, name) for name in args.compare_experts}
         chat.thinker.model.config.text_config._experts_implementation = args.experts
         print(json.dumps(report["thinker_moe"]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{report['date']}-{report['gpu'].replace(' ', '_')}-omni"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    (args.out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, "omni", report, markdown(report))
     return 0
 
 

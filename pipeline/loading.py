@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -165,6 +166,20 @@ def load_weights(directory: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     for shard in _shard_names(directory, prefix):
         state.update(_load_safetensors(directory / shard, prefix))
     return state
+
+
+def load_part(directory: Path, prefix: str, build: Callable[[], torch.nn.Module], config_name: str,
+              dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A module built on the meta device, given the checkpoint's `prefix*` tensors (prefix removed,
+    cast to `dtype` if given), all of them and no others, under their own names."""
+    weights = {k.removeprefix(prefix): v if dtype is None else v.to(dtype) for k, v in load_weights(directory, prefix).items()}
+    with torch.device("meta"):
+        module = build()
+    try:
+        module.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"The {prefix.rstrip('.')} weights in {directory} do not match its {config_name}: {exc}") from None
+    return module
 
 
 def _weights_file(directory: Path) -> Path:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from pipeline.service import DEFAULT_SCHEDULE, TINY, ModelInfo, ModelService, SpeechRequest, TTSInputError
+from pipeline.service import DEFAULT_SCHEDULE, TINY, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
 from ui.latency import LatencyPanel
 
 DEFAULTS = ModelService.sampling_defaults()  # the reference's defaults, which the official checkpoints ship
@@ -197,18 +197,24 @@ def generation(
     try:
         load_checkpoint(service, speech.model_type, speech.checkpoint or service.default_checkpoint(speech.model_type), progress)
         stream = service.stream(speech, key)
-        try:
-            start = next(stream)  # validation happens here, before any audio
-        except TTSInputError as exc:
-            raise gr.Error(str(exc)) from None
-        for warning in start.warnings:
-            gr.Warning(warning)
+        start = open_stream(stream)
         try:
             yield from panel.stream(start, stream, run_id, received, stop=lambda: service.stop(key))
         finally:
             stream.close()
     finally:
         panel.end(run_id)
+
+
+def open_stream(stream: Iterator) -> StreamStart:
+    """The stream's first item: its request validated (a bad one is a gr.Error, before any work), its warnings shown."""
+    try:
+        start = next(stream)
+    except TTSInputError as exc:
+        raise gr.Error(str(exc)) from None
+    for warning in start.warnings:
+        gr.Warning(warning)
+    return start
 
 
 def run_key(request: gr.Request | None, tab: str, run_id: str) -> str:

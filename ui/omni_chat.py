@@ -7,8 +7,7 @@ import time
 
 import gradio as gr
 
-from pipeline.service import (DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, ModelService, TextDelta,
-                              TTSInputError, Turn)
+from pipeline.service import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, ModelService, TextDelta, Turn
 from ui import controls
 from ui.latency import LatencyPanel
 
@@ -96,12 +95,7 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
         try:
             controls.load_checkpoint(service, MODEL_TYPE, name, progress)
             stream = service.chat(chat_request, name, key)
-            try:
-                start = next(stream)  # validation happens here, before any work
-            except TTSInputError as exc:
-                raise gr.Error(str(exc)) from None
-            for warning in start.warnings:
-                gr.Warning(warning)
+            start = controls.open_stream(stream)
             messages = list(shown or []) + user_message(text, audio_path) + [{"role": "assistant", "content": ""}]
             deltas: list[TextDelta] = []
             yield {message: "", audio: None, chatbot: messages, live: live_html([]), stats: ""}

@@ -26,7 +26,7 @@ import torch
 from pipeline.codec import MultiStreamDecoder
 from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, Engine, Handle, Job, Queued, SamplingConfig, Segment
 from pipeline.errors import CheckpointError, EngineBusy, TTSInputError
-from pipeline.loading import read_json, resolve_checkpoint, torch_device, torch_dtype
+from pipeline.loading import load_part, read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.omni.code2wav import Code2Wav
 from pipeline.audio import load_message_audio
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, ThinkerInputs, Turn, build_inputs
@@ -381,15 +381,7 @@ def _with_audio_loaded(turn: Turn) -> Turn:
 
 def load_talker(directory: Path, raw: dict, device: torch.device, dtype: torch.dtype) -> OmniTalker:
     """Our talker from the checkpoint's `talker.*` tensors (per-expert tensors stacked on load)."""
-    from pipeline.loading import load_weights
-
-    weights = {k.removeprefix("talker."): v for k, v in load_weights(directory, "talker.").items()}
-    with torch.device("meta"):
-        talker = OmniTalker(OmniTalkerConfig.from_dict(raw))
-    try:
-        talker.load_state_dict(weights, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise CheckpointError(f"The talker weights in {directory} do not match its talker_config: {exc}") from None
+    talker = load_part(directory, "talker.", lambda: OmniTalker(OmniTalkerConfig.from_dict(raw)), "talker_config")
     return talker.to(device=device, dtype=dtype).eval()
 
 

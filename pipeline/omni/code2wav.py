@@ -23,7 +23,7 @@ from pipeline.codec.config import DecoderConfig
 from pipeline.codec.decoder import ConvNeXtBlock, DecoderBlock, DecoderTransformer, SnakeBeta
 from pipeline.codec.streaming import CausalConv1d, LookaheadConvTranspose1d, StreamState, exact_float32_convolutions
 from pipeline.errors import CheckpointError
-from pipeline.loading import load_weights, read_json
+from pipeline.loading import load_part, read_json
 from pipeline.model import read_rope_theta
 
 WEIGHT_PREFIX = "code2wav."
@@ -96,13 +96,7 @@ class Code2Wav(nn.Module):
         raw = read_json(directory, "config.json").get("code2wav_config")
         if not isinstance(raw, dict):
             raise CheckpointError(f"{directory / 'config.json'} has no code2wav_config.")
-        weights = {k.removeprefix(WEIGHT_PREFIX): v.float() for k, v in load_weights(directory, WEIGHT_PREFIX).items()}
-        with torch.device("meta"):
-            model = cls(Code2WavConfig.from_dict(raw))
-        try:
-            model.load_state_dict(weights, strict=True, assign=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"code2wav weights in {directory} do not match its code2wav_config: {e}") from e
+        model = load_part(directory, WEIGHT_PREFIX, lambda: cls(Code2WavConfig.from_dict(raw)), "code2wav_config", torch.float32)
         model.code_offset = torch.arange(model.config.num_quantizers) * model.config.codebook_size
         return model.to(device).eval()
 
