@@ -278,3 +278,4 @@ def test_one_listener_in_two_tabs_votes_each_trial_once(live_app):
     assert "Trial **2** of 2" in second.predict("tabs", "ann", "B", None, "", *[50] * 8, api_name="/listen_vote")[0]
     votes = sessions.store.votes(sessions.session("tabs"))
     assert [(v["trial"], v["choice"]) for v in votes] == [(0, votes[0]["clips"][0])]
+

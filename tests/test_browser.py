@@ -258,8 +258,24 @@ def listen(page, session: str, listener: str) -> None:
     page.wait_for_function("() => /Trial/.test(document.querySelector('#listen-progress').innerText)", timeout=60_000)
 
 
-def play_to_the_end(page, clip: str) -> None:
-    page.locator(f"#{clip} button[aria-label='Play']").click()
+HEARD = """(label) => {
+    const hint = document.querySelector('#listen-hint').innerText;
+    const waiting = (hint.match(/Play (.*) to the end/) || [null, ''])[1].split(', ');
+    return !waiting.includes(label);
+}"""
+
+
+def play_to_the_end(page, clip: str, label: str) -> None:
+    """Play a clip and wait until the server has counted it as heard (a click that lands while the
+    player is still loading is repeated)."""
+    for _ in range(3):
+        page.locator(f"#{clip} button[aria-label='Play']").click()
+        try:
+            page.wait_for_function(HEARD, arg=label, timeout=10_000)
+            return
+        except Exception:  # playwright's TimeoutError: try the click again
+            continue
+    raise AssertionError(f"{clip} was never counted as played to the end")
 
 
 def test_one_listener_through_an_ab_session_and_the_results(page, live_app):
@@ -270,8 +286,8 @@ def test_one_listener_through_an_ab_session_and_the_results(page, live_app):
     assert "zorblax" not in page.content() and "quintor" not in page.content()  # blind: no system name anywhere on the page
     for trial in (1, 2):
         assert page.locator("#listen-submit").is_disabled()  # locked until both clips were heard to the end
-        play_to_the_end(page, "listen-clip-0")
-        play_to_the_end(page, "listen-clip-1")
+        play_to_the_end(page, "listen-clip-0", "A")
+        play_to_the_end(page, "listen-clip-1", "B")
         page.wait_for_function("() => /vote is open/.test(document.querySelector('#listen-hint').innerText)", timeout=30_000)
         page.locator("#listen-choice").get_by_text("A", exact=True).click()
         page.click("#listen-submit")
@@ -294,7 +310,7 @@ def test_one_listener_rates_a_mushra_item(page, live_app):
     listen(page, "browser-mushra", "ben")
     assert page.locator("#listen-reference").is_visible() and page.locator("#listen-clip-3").is_hidden()
     for i in range(3):  # zorblax (the hidden reference), quintor, the anchor
-        play_to_the_end(page, f"listen-clip-{i}")
+        play_to_the_end(page, f"listen-clip-{i}", f"Condition {i + 1}")
     page.wait_for_function("() => /vote is open/.test(document.querySelector('#listen-hint').innerText)", timeout=30_000)
     for i, score in enumerate((95, 40, 10)):
         box = page.locator(f"#listen-score-{i} input[type=number]")

@@ -121,11 +121,11 @@ def _listen_view(sessions: Sessions) -> ListenParts:
 
     start.click(begin, inputs=[session, listener], outputs=trial_outputs, api_name="listen_start")
     # Played to the end (the players' "stop" event); named so that scripted listeners (tests, API clients) can do what a browser does.
+    # One at a time: two clips ending together would each read the count before the other's update and one would be lost.
+    once = dict(concurrency_limit=1, concurrency_id="listen-played", api_visibility="undocumented")
     for i, clip in enumerate(clips):
-        clip.stop(lambda v, c, key=str(i): played(v, c, key), inputs=[current, plays], outputs=[plays, hint, submit],
-                  api_name=f"listen_played_{i}", api_visibility="undocumented")
-    x_clip.stop(lambda v, c: played(v, c, "x"), inputs=[current, plays], outputs=[plays, hint, submit], api_name="listen_played_x",
-                api_visibility="undocumented")
+        clip.stop(lambda v, c, key=str(i): played(v, c, key), inputs=[current, plays], outputs=[plays, hint, submit], api_name=f"listen_played_{i}", **once)
+    x_clip.stop(lambda v, c: played(v, c, "x"), inputs=[current, plays], outputs=[plays, hint, submit], api_name="listen_played_x", **once)
     submit.click(vote, inputs=[session, listener, current, plays, choice, confidence, comment, *scores], outputs=trial_outputs,
                  api_name="listen_vote", concurrency_limit=None)
     return ListenParts(session, listener, start)
