@@ -279,3 +279,25 @@ def test_one_listener_in_two_tabs_votes_each_trial_once(live_app):
     votes = sessions.store.votes(sessions.session("tabs"))
     assert [(v["trial"], v["choice"]) for v in votes] == [(0, votes[0]["clips"][0])]
 
+
+
+def test_an_abx_listener_through_the_api(live_app):
+    """ABX: A, B and X must each be heard; the answer is stored with the system X was."""
+    url, _, sessions = live_app
+    sessions.save("name: abx-api\ntest: abx\ntrials_per_listener: 2\nsystems:\n"
+                  "  - {name: p, checkpoint: tiny, mode: voice_design, seed: 1, settings: {max_frames: 6}}\n"
+                  "  - {name: q, checkpoint: tiny, mode: voice_design, seed: 2, settings: {max_frames: 6}}\n"
+                  "items:\n  - {name: one, text: Hello there., instruct: A calm voice.}\n")
+    sessions.render("abx-api")
+    client = Client(url, verbose=False)
+    client.predict("abx-api", "ann", api_name="/listen_start")
+    client.predict(api_name="/listen_played_0")
+    client.predict(api_name="/listen_played_1")
+    with pytest.raises(AppError, match="Play X to the end before voting."):
+        client.predict("abx-api", "ann", "A", None, "", *[50] * 8, api_name="/listen_vote")
+    client.predict(api_name="/listen_played_x")
+    client.predict("abx-api", "ann", "A", "4", "", *[50] * 8, api_name="/listen_vote")
+    (vote,) = sessions.store.votes(sessions.session("abx-api"))
+    assert vote["choice"] == vote["clips"][0] and vote["x"] in vote["clips"] and vote["confidence"] == 4
+    result = sessions.results("abx-api")["abx"]["listeners"]["ann"]
+    assert result["trials"] == 1 and result["correct"] == int(vote["x"] == vote["choice"])

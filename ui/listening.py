@@ -85,7 +85,7 @@ def _listen_view(sessions: Sessions) -> ListenParts:
         score_updates = [gr.update(visible=mushra and i < n, value=50) for i in range(MAX_CONDITIONS)]
         question = "Which do you prefer?" if view.test == "ab" else "Is X the same as A or as B?"
         choices = list(CHOICES) if view.test == "ab" else ["A", "B"]
-        return [view, {}, f"Trial **{view.answered + 1}** of {view.total} · {note}".rstrip(" ·"), f"> {view.text}",
+        return [view, {}, _progress(view, note), f"> {view.text}",
                 gr.update(visible=mushra, value=view.reference), *clip_updates, *score_updates,
                 gr.update(visible=view.x is not None, value=view.x), gr.update(visible=not mushra, value=None, choices=choices, label=question),
                 gr.update(visible=True, value=None), gr.update(visible=True, value=""), _hint(view, {}), gr.update(visible=True, interactive=False)]
@@ -131,6 +131,11 @@ def _listen_view(sessions: Sessions) -> ListenParts:
     return ListenParts(session, listener, start)
 
 
+def _progress(view: TrialView, note: str) -> str:
+    bar = f'<progress max="{view.total}" value="{view.answered}" style="width: 100%"></progress>'
+    return f"Trial **{view.answered + 1}** of {view.total}" + (f" · {note}" if note else "") + f"\n\n{bar}"
+
+
 def _label(view: TrialView, i: int) -> str:
     return f"Condition {i + 1}" if view.test == "mushra" else chr(ord("A") + i)
 
@@ -170,6 +175,9 @@ def _results_view(sessions: Sessions) -> None:
         except SessionError as exc:
             return str(exc), None, None, gr.update(), None
         head = f"**{result['votes']} votes** from {result['listeners']} listeners · {result['test'].upper()}"
+        if result.get("consistency"):
+            head += "\n\nPer-listener consistency (share of votes agreeing with their own majority, pairs heard more than once): " + \
+                ", ".join(f"{k} {v:.2f}" for k, v in result["consistency"].items())
         frames = _result_frames(result)
         csv = Path(tempfile.mkdtemp()) / f"{session}-votes.csv"
         csv.write_text(sessions.votes_csv(session), encoding="utf-8")
