@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.audio import load_message_audio
 from pipeline.codec import MultiStreamDecoder
 from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, Engine, Handle, Job, Queued, SamplingConfig, Segment
 from pipeline.errors import CheckpointError, EngineBusy, TTSInputError
 from pipeline.loading import load_part, read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.omni.code2wav import Code2Wav
-from pipeline.audio import load_message_audio
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, ThinkerInputs, Turn, build_inputs
 from pipeline.omni.prompt import PromptIds, assistant_first, assistant_prefix, text_specials, user_part
 from pipeline.omni.talker import OmniTalker, OmniTalkerConfig
