@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         service.preload()
     demo = build_demo(service, Sessions(args.sessions, service.model))
     demo.queue(default_concurrency_limit=None)
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_options())
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_options(service))
 
 
 if __name__ == "__main__":

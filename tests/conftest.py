@@ -66,6 +66,6 @@ def live_app(tiny_checkpoints, tmp_path_factory):
     demo = build_demo(service, sessions)
     demo.queue(default_concurrency_limit=None)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options(service))
     yield f"http://127.0.0.1:{port}/", service, sessions
     demo.close()

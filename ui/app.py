@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from pipeline.server import speech_routes
 from pipeline.service import MAX_UPLOAD_BYTES, ModelService
 import tempfile
 
@@ -43,13 +44,14 @@ def build_demo(service: ModelService, sessions: Sessions | None = None) -> gr.Bl
     return demo
 
 
-def launch_options() -> dict:
-    """What `Blocks.launch` needs besides host and port: the player script, styling and upload limit."""
+def launch_options(service: ModelService | None = None) -> dict:
+    """What `Blocks.launch` needs besides host and port: the player script, styling, upload limit,
+    and the routes beside Gradio's (the PCM stream; the speech API when `service` is given)."""
     return {
         "head": player_head(),
         "css": CSS,
         "theme": gr.themes.Soft(),
         "max_file_size": MAX_UPLOAD_BYTES,
         "show_error": True,
-        "app_kwargs": {"routes": [CHANNELS.route()]},  # the PCM stream route, beside Gradio's own
+        "app_kwargs": {"routes": [CHANNELS.route(), *(speech_routes(service) if service is not None else [])]},
     }

@@ -1,0 +1,241 @@
+"""The speech API on the app's own server: OpenAI's `POST /v1/audio/speech` (plus the Qwen3-TTS fields
+vllm-omni accepts) and `GET /v1/models`. Requests go through the same model service and engine
+queue as the UI. Errors are JSON in OpenAI's shape with a 4xx status; a reference recording comes
+as base64 in the body and is written to a file the server names (no request field is a path).
+
+Streaming (`"stream": true`) sends the audio as it is made: raw 16-bit PCM (`pcm`) or a WAV whose
+header leaves the length open (`wav`); without streaming every format is one file.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import struct
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pipeline.engine import Chunk
+from pipeline.errors import TTSInputError
+from pipeline.request import SpeechRequest
+from pipeline.service import MAX_UPLOAD_BYTES, TINY, ModelService, StreamEnd, StreamStart
+
+SAMPLE_RATE = 24000
+MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
+STREAMED_FORMATS = ("pcm", "wav")
+TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
+FIELDS = {"model", "input", "voice", "response_format", "speed", "stream", "task_type", "language", "instructions", "ref_audio", "ref_text",
+          "x_vector_only_mode", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature",
+          "subtalker_top_k", "subtalker_top_p"}
+SAMPLING_FIELDS = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}, status_code=self.status)
+
+
+@dataclass
+class SpeechCall:
+    request: SpeechRequest
+    response_format: str
+    stream: bool
+    reference: Path | None = None  # a decoded reference recording, removed after the call
+
+
+def speech_routes(service: ModelService) -> list[Route]:
+    async def speech(request: Request) -> Response:
+        try:
+            call = parse_speech(await _json_body(request), service)
+        except ApiError as exc:
+            return exc.response()
+        try:
+            return _respond(call, service)
+        except ApiError as exc:
+            _remove(call.reference)
+            return exc.response()
+
+    async def models(request: Request) -> Response:
+        data = [{"id": checkpoint, "object": "model", "owned_by": "local", "task_type": _task_name(kind), "loaded": service.is_loaded(kind, checkpoint)}
+                for kind, checkpoints in service.choices.items() if kind in TASK_TYPES.values() for checkpoint in checkpoints]
+        return JSONResponse({"object": "list", "data": data})
+
+    return [Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/models", models, methods=["GET"])]
+
+
+async def _json_body(request: Request) -> dict:
+    body = await request.body()
+    if len(body) > MAX_UPLOAD_BYTES:
+        raise ApiError(413, f"The request is {len(body) / 2**20:.0f} MB; the limit is {MAX_UPLOAD_BYTES // 2**20} MB.")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "The request body is not JSON.") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "The request body is a JSON object.")
+    return data
+
+
+def parse_speech(data: dict, service: ModelService) -> SpeechCall:
+    """Check a /v1/audio/speech body (before any work) and make the engine request."""
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise ApiError(400, f"Unknown field '{unknown[0]}'.", unknown[0])
+    text = data.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise ApiError(400, "'input' is required: the text to speak.", "input")
+    if data.get("speed", 1.0) != 1.0:
+        raise ApiError(400, "'speed' is not supported: Qwen3-TTS speaks at its own pace (leave it out or 1.0).", "speed")
+    response_format = data.get("response_format", "wav")
+    if response_format not in MEDIA_TYPES:
+        raise ApiError(400, f"'response_format' is one of {', '.join(MEDIA_TYPES)}, not '{response_format}'.", "response_format")
+    stream = data.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' is true or false.", "stream")
+    if stream and response_format not in STREAMED_FORMATS:
+        raise ApiError(400, f"A streamed response is pcm or wav, not {response_format}.", "response_format")
+    model_type, checkpoint = _model(data, service)
+    fields = {k: data[k] for k in SAMPLING_FIELDS if data.get(k) is not None}
+    if data.get("max_new_tokens") is not None:
+        fields["max_frames"] = data["max_new_tokens"]
+    reference = None
+    if model_type == "custom_voice":
+        fields["speaker"] = data.get("voice")
+        fields["instruct"] = data.get("instructions")
+    elif model_type == "voice_design":
+        fields["instruct"] = data.get("instructions")
+        if not fields["instruct"]:
+            raise ApiError(400, "VoiceDesign describes the voice in 'instructions'.", "instructions")
+    else:
+        reference = _reference_file(data.get("ref_audio"))
+        fields.update(ref_audio=str(reference), ref_text=data.get("ref_text"), x_vector_only=bool(data.get("x_vector_only_mode", False)))
+    try:
+        request = SpeechRequest(text, language=data.get("language") or "auto", model_type=model_type, checkpoint=checkpoint,
+                                **{k: v for k, v in fields.items() if v is not None}).validate()
+    except (TTSInputError, TypeError) as exc:
+        _remove(reference)
+        raise ApiError(400, str(exc)) from None
+    return SpeechCall(request, response_format, stream, reference)
+
+
+def _model(data: dict, service: ModelService) -> tuple[str, str]:
+    task = data.get("task_type")
+    if task is not None and task not in TASK_TYPES:
+        raise ApiError(400, f"'task_type' is one of {', '.join(TASK_TYPES)}, not '{task}'.", "task_type")
+    model = data.get("model")
+    kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in TASK_TYPES.values()]
+    if model is not None and model != TINY and not kinds:
+        served = sorted({c for kind, cs in service.choices.items() if kind in TASK_TYPES.values() for c in cs})
+        raise ApiError(404, f"Model '{model}' is not served here (GET /v1/models lists them: {', '.join(served)}).", "model")
+    model_type = TASK_TYPES[task] if task else (kinds[0] if kinds else "custom_voice")
+    if kinds and model_type not in kinds:
+        raise ApiError(400, f"Model '{model}' does not do {task}.", "task_type")
+    return model_type, model if model is not None else service.default_checkpoint(model_type)
+
+
+def _reference_file(encoded) -> Path:
+    if not isinstance(encoded, str) or not encoded:
+        raise ApiError(400, "Base (voice clone) needs 'ref_audio': a recording as base64 (a data: URL or plain base64).", "ref_audio")
+    payload = encoded.split(",", 1)[1] if encoded.startswith("data:") else encoded
+    try:
+        audio = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "'ref_audio' is not valid base64.", "ref_audio") from None
+    if not audio:
+        raise ApiError(400, "'ref_audio' is empty.", "ref_audio")
+    with tempfile.NamedTemporaryFile(prefix="ref-", suffix=".audio", delete=False) as f:
+        f.write(audio)
+    return Path(f.name)
+
+
+def _respond(call: SpeechCall, service: ModelService) -> Response:
+    key = f"api:{uuid.uuid4().hex}"  # Stop by key: the client going away frees the engine's row
+    stream = service.stream(call.request, key)
+    try:
+        start = next(stream)  # validation against the checkpoint (speaker, language, reference audio)
+    except TTSInputError as exc:
+        stream.close()
+        raise ApiError(400, str(exc)) from None
+    except Exception:
+        stream.close()
+        raise
+    headers = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Random-Weights": str(start.random_weights).lower()}
+    if call.stream:
+        return StreamingResponse(_until_gone(_streamed(stream, call), service, key), media_type=MEDIA_TYPES[call.response_format], headers=headers)
+    try:
+        audio = np.concatenate([item.audio for item in stream if isinstance(item, Chunk)] or [np.zeros(0, np.float32)])
+    finally:
+        stream.close()
+        _remove(call.reference)
+    return Response(encode(audio, call.response_format), media_type=MEDIA_TYPES[call.response_format], headers=headers)
+
+
+def _streamed(stream: Iterator[StreamStart | Chunk | StreamEnd], call: SpeechCall) -> Iterator[bytes]:
+    """Audio bytes as each chunk is made; the engine's row is freed if the client goes away."""
+    try:
+        if call.response_format == "wav":
+            yield wav_header(0xFFFFFFFF)
+        for item in stream:
+            if isinstance(item, Chunk):
+                yield pcm16(item.audio)
+    finally:
+        stream.close()
+        _remove(call.reference)
+
+
+async def _until_gone(chunks: Iterator[bytes], service: ModelService, key: str):
+    """The chunks, each made on a worker thread; when the client disconnects (the response is
+    cancelled), the stream is stopped, which frees its engine row within a frame."""
+    try:
+        while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
+            yield chunk
+    finally:
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(service.stop, key)
+
+
+def pcm16(audio: np.ndarray) -> bytes:
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+def wav_header(data_bytes: int) -> bytes:
+    """A 16-bit mono 24 kHz WAV header; 0xFFFFFFFF for a stream whose length is not known yet."""
+    riff = 0xFFFFFFFF if data_bytes == 0xFFFFFFFF else 36 + data_bytes
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, SAMPLE_RATE * 2, 2, 16)
+            + b"data" + struct.pack("<I", data_bytes))
+
+
+def encode(audio: np.ndarray, response_format: str) -> bytes:
+    if response_format == "pcm":
+        return pcm16(audio)
+    import soundfile as sf
+
+    out = io.BytesIO()
+    subtype = {"wav": "PCM_16", "flac": "PCM_16", "mp3": "MPEG_LAYER_III"}[response_format]
+    sf.write(out, audio, SAMPLE_RATE, format=response_format.upper(), subtype=subtype)
+    return out.getvalue()
+
+
+def _task_name(model_type: str) -> str:
+    return next(name for name, kind in TASK_TYPES.items() if kind == model_type)
+
+
+def _remove(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,122 @@
+"""The speech API on the app's server (`POST /v1/audio/speech`, `GET /v1/models`) over real HTTP on
+localhost with the tiny checkpoints: every task type, streamed and not, every format; the audio
+equals what the engine gives the same request; bad requests get a JSON error with a 4xx status."""
+import base64
+import io
+import struct
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from pipeline.request import SpeechRequest
+from pipeline.service import TINY
+
+
+@pytest.fixture(scope="module")
+def api(live_app):
+    url, service, _ = live_app
+    with httpx.Client(base_url=url, timeout=120) as client:
+        yield client, service
+
+
+def expected_audio(service, model_type: str, **fields) -> np.ndarray:
+    request = SpeechRequest(model_type=model_type, checkpoint=TINY, **fields).validate()
+    return np.concatenate([c.audio for c in service.stream(request) if hasattr(c, "audio")])
+
+
+def int16(audio: np.ndarray) -> np.ndarray:
+    return (np.clip(audio, -1, 1) * 32767.0).astype(np.int16)
+
+
+def test_models_lists_what_is_served(api):
+    client, _ = api
+    data = client.get("/v1/models").json()["data"]
+    assert {(m["id"], m["task_type"]) for m in data} == {(TINY, "Base"), (TINY, "CustomVoice"), (TINY, "VoiceDesign")}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_custom_voice_as_pcm_equals_the_engine(api, stream):
+    client, service = api
+    body = {"input": "Hello there, tiny model.", "voice": "ryan", "task_type": "CustomVoice", "response_format": "pcm", "stream": stream,
+            "seed": 3, "max_new_tokens": 12}
+    response = client.post("/v1/audio/speech", json=body)
+    assert response.status_code == 200 and response.headers["content-type"] == "audio/pcm"
+    audio = np.frombuffer(response.content, dtype="<i2")
+    expected = int16(expected_audio(service, "custom_voice", text=body["input"], speaker="ryan", seed=3, max_frames=12))
+    assert audio.shape == expected.shape == (12 * 1920,) and np.abs(audio.astype(int) - expected).max() <= 1
+
+
+def test_streamed_wav_has_an_open_length_header_then_pcm(api):
+    client, service = api
+    body = {"input": "Calm words.", "task_type": "VoiceDesign", "instructions": "A deep voice.", "response_format": "wav", "stream": True,
+            "seed": 1, "max_new_tokens": 10}
+    with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        assert response.status_code == 200
+        data = b"".join(response.iter_bytes())
+    assert data[:4] == b"RIFF" and struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
+    assert len(data) - 44 == 10 * 1920 * 2
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3"])
+def test_every_format_as_one_file(api, fmt):
+    client, _ = api
+    body = {"input": "Good evening.", "voice": "vivian", "response_format": fmt, "seed": 2, "max_new_tokens": 8}
+    response = client.post("/v1/audio/speech", json=body)
+    assert response.status_code == 200
+    audio, rate = sf.read(io.BytesIO(response.content))
+    assert rate == 24000 and abs(len(audio) - 8 * 1920) <= (1152 * 2 if fmt == "mp3" else 0)  # mp3 pads to whole frames
+
+
+def test_voice_clone_from_base64_reference(api, reference_wav):
+    client, service = api
+    encoded = base64.b64encode(reference_wav.read_bytes()).decode()
+    body = {"input": "Now in that voice.", "task_type": "Base", "ref_audio": f"data:audio/wav;base64,{encoded}", "ref_text": "Speak slowly.",
+            "response_format": "pcm", "seed": 4, "max_new_tokens": 10}
+    response = client.post("/v1/audio/speech", json=body)
+    assert response.status_code == 200 and len(response.content) == 10 * 1920 * 2
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"voice": "ryan"}, 400, "'input' is required"),
+    ({"input": "Hi.", "voice": "nobody"}, 400, "Unknown speaker"),
+    ({"input": "Hi.", "voice": "ryan", "speed": 1.5}, 400, "'speed' is not supported"),
+    ({"input": "Hi.", "voice": "ryan", "response_format": "ogg"}, 400, "'response_format' is one of pcm, wav, flac, mp3"),
+    ({"input": "Hi.", "voice": "ryan", "response_format": "mp3", "stream": True}, 400, "A streamed response is pcm or wav"),
+    ({"input": "Hi.", "task_type": "Base", "ref_audio": "not base64!"}, 400, "'ref_audio' is not valid base64."),
+    ({"input": "Hi.", "task_type": "Base"}, 400, "Base (voice clone) needs 'ref_audio'"),
+    ({"input": "Hi.", "task_type": "Base", "ref_audio": base64.b64encode(b"RIFF junk").decode(), "x_vector_only_mode": True}, 400, "could not be read"),
+    ({"input": "Hi.", "model": "Qwen/unknown"}, 404, "Model 'Qwen/unknown' is not served here"),
+    ({"input": "Hi.", "task_type": "Talking"}, 400, "'task_type' is one of CustomVoice, VoiceDesign, Base"),
+    ({"input": "Hi.", "colour": "red"}, 400, "Unknown field 'colour'."),
+    ({"input": "Hi.", "voice": "ryan", "temperature": -1}, 400, "temperature"),
+])
+def test_bad_requests_get_json_errors(api, body, status, message):
+    client, _ = api
+    response = client.post("/v1/audio/speech", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_body_that_is_not_json(api):
+    client, _ = api
+    response = client.post("/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == "The request body is not JSON."
+
+
+def test_a_client_that_goes_away_frees_its_row(api):
+    import time
+
+    client, service = api
+    engine = service.model("custom_voice", TINY).engine
+    body = {"input": "A long story that the listener will not wait for.", "voice": "ryan", "response_format": "pcm", "stream": True,
+            "seed": 5, "max_new_tokens": 2000}
+    with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        first = next(response.iter_bytes())
+        assert first and any(engine.slots)
+    deadline = time.monotonic() + 10
+    while any(engine.slots) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(engine.slots)  # stopped long before its 2000 frames (160 s of audio at ~real time here)
