@@ -96,6 +96,13 @@ def load_text_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     read_json(directory, "tokenizer_config.json")
     # The tokenizers library reports a non-UTF-8 merges.txt without naming the file.
     _read_text(directory / "merges.txt")
+    from transformers.utils import logging as hf_logging
+
+    # AutoTokenizer also reads config.json, whose model_type (qwen3_tts) transformers does not know,
+    # and warns that it "instantiates a model of another type"; the tokenizer comes from
+    # tokenizer_config.json all the same, so that warning says nothing true here.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         return AutoTokenizer.from_pretrained(str(directory))
     except Exception as exc:  # the tokenizers library raises bare Exception when it cannot build the BPE
@@ -103,6 +110,8 @@ def load_text_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
         raise CheckpointError(
             f"The text tokenizer in {directory} cannot be built from its vocab.json, merges.txt and tokenizer_config.json: {reason}."
         ) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def _check_vocab(directory: Path) -> None:
