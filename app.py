@@ -6,8 +6,12 @@ import logging
 import os
 
 from pipeline.listening import Sessions
+from pipeline.server import Access
 from pipeline.service import ModelService, parse_models
 from ui.app import build_demo, launch_options
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def default_device() -> str:
@@ -41,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="utterances each model decodes together (its batch; default 16 on CUDA, 4 on CPU); more wait in a FIFO queue",
     )
     parser.add_argument("--sessions", default="listening", help="folder of the listening sessions: their files, clips and votes (SQLite)")
+    parser.add_argument("--api-key", default=os.environ.get("QWEN_TTS_API_KEY"),
+                        help="key of the speech API (/v1/...), sent as 'Authorization: Bearer KEY' (env QWEN_TTS_API_KEY); "
+                        "without one the API answers only when the server listens on localhost")
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link")
     parser.add_argument(
         "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step (faster start, ~2.5x slower frames)"
@@ -66,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         service.preload()
     demo = build_demo(service, Sessions(args.sessions, service.model))
     demo.queue(default_concurrency_limit=None)
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_options(service))
+    access = Access(key=args.api_key, public=args.share or args.host not in LOCAL_HOSTS)
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_options(service, access))
 
 
 if __name__ == "__main__":

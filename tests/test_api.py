@@ -120,3 +120,47 @@ def test_a_client_that_goes_away_frees_its_row(api):
     while any(engine.slots) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(engine.slots)  # stopped long before its 2000 frames (160 s of audio at ~real time here)
+
+
+def access_client(service, **access):
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from pipeline.server import Access, speech_routes
+
+    return TestClient(Starlette(routes=speech_routes(service, Access(**access))))
+
+
+BODY = {"input": "Hello there.", "voice": "ryan", "response_format": "pcm", "seed": 1, "max_new_tokens": 4}
+
+
+def test_the_api_key(api):
+    _, service = api
+    client = access_client(service, key="s3cret", public=True)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        response = client.post("/v1/audio/speech", json=BODY, headers=headers)
+        assert response.status_code == 401 and "Missing or wrong API key" in response.json()["error"]["message"]
+    assert client.get("/v1/models").status_code == 401
+    assert client.post("/v1/audio/speech", json=BODY, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_a_public_server_without_a_key_keeps_the_api_off(api):
+    _, service = api
+    response = access_client(service, public=True).post("/v1/audio/speech", json=BODY)
+    assert response.status_code == 403 and "started without --api-key" in response.json()["error"]["message"]
+
+
+def test_requests_in_flight_per_client_are_limited(api):
+    _, service = api
+    client = access_client(service, per_client=1)
+    long = {**BODY, "stream": True, "max_new_tokens": 2000}
+    with client.stream("POST", "/v1/audio/speech", json=long) as first:
+        assert next(first.iter_bytes())
+        second = client.post("/v1/audio/speech", json=BODY)
+        assert second.status_code == 429 and "1 requests of this client are already running" in second.json()["error"]["message"]
+    import time
+
+    deadline = time.monotonic() + 10  # the first stream ended (its client went away): the client may call again
+    while (status := client.post("/v1/audio/speech", json=BODY).status_code) == 429 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert status == 200

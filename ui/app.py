@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from pipeline.server import speech_routes
+from pipeline.server import Access, speech_routes
 from pipeline.service import MAX_UPLOAD_BYTES, ModelService
 import tempfile
 
@@ -44,7 +44,7 @@ def build_demo(service: ModelService, sessions: Sessions | None = None) -> gr.Bl
     return demo
 
 
-def launch_options(service: ModelService | None = None) -> dict:
+def launch_options(service: ModelService | None = None, access: Access | None = None) -> dict:
     """What `Blocks.launch` needs besides host and port: the player script, styling, upload limit,
     and the routes beside Gradio's (the PCM stream; the speech API when `service` is given)."""
     return {
@@ -53,5 +53,5 @@ def launch_options(service: ModelService | None = None) -> dict:
         "theme": gr.themes.Soft(),
         "max_file_size": MAX_UPLOAD_BYTES,
         "show_error": True,
-        "app_kwargs": {"routes": [CHANNELS.route(), *(speech_routes(service) if service is not None else [])]},
+        "app_kwargs": {"routes": [CHANNELS.route(), *(speech_routes(service, access) if service is not None else [])]},
     }

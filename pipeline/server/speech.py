@@ -3,6 +3,9 @@ vllm-omni accepts) and `GET /v1/models`. Requests go through the same model serv
 queue as the UI. Errors are JSON in OpenAI's shape with a 4xx status; a reference recording comes
 as base64 in the body and is written to a file the server names (no request field is a path).
 
+Access (`Access`): with a key, every call needs it as a bearer token; a server listening beyond
+localhost without a key keeps the API off; a client has at most a few requests in flight.
+
 Streaming (`"stream": true`) sends the audio as it is made: raw 16-bit PCM (`pcm`) or a WAV whose
 header leaves the length open (`wav`); without streaming every format is one file.
 """
@@ -10,12 +13,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hmac
 import io
 import json
 import struct
 import tempfile
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,19 +64,68 @@ class SpeechCall:
     reference: Path | None = None  # a decoded reference recording, removed after the call
 
 
-def speech_routes(service: ModelService) -> list[Route]:
+@dataclass
+class Access:
+    """Who may call the API: `key` required as `Authorization: Bearer KEY` when set; `public`: the
+    server listens beyond localhost (then the API is off without a key); at most `per_client`
+    requests in flight per client address."""
+
+    key: str | None = None
+    public: bool = False
+    per_client: int = 4
+
+    def __post_init__(self) -> None:
+        self.in_flight: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def check(self, request: Request) -> None:
+        if self.key is None:
+            if self.public:
+                raise ApiError(403, "The speech API is off: this server listens beyond localhost and was started without --api-key.")
+            return
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {self.key}".encode()):
+            raise ApiError(401, "Missing or wrong API key: send the header 'Authorization: Bearer KEY'.")
+
+    def enter(self, client: str) -> None:
+        with self.lock:
+            if self.in_flight.get(client, 0) >= self.per_client:
+                raise ApiError(429, f"{self.per_client} requests of this client are already running; wait for one to end.")
+            self.in_flight[client] = self.in_flight.get(client, 0) + 1
+
+    def leave(self, client: str) -> None:
+        with self.lock:
+            self.in_flight[client] -= 1
+
+
+def speech_routes(service: ModelService, access: Access | None = None) -> list[Route]:
+    access = access or Access()
+
     async def speech(request: Request) -> Response:
+        client = request.client.host if request.client else "?"
         try:
+            access.check(request)
             call = parse_speech(await _json_body(request), service)
+            access.enter(client)
         except ApiError as exc:
             return exc.response()
+        streaming = False
         try:
-            return _respond(call, service)
+            response = _respond(call, service, lambda: access.leave(client))
+            streaming = call.stream
+            return response
         except ApiError as exc:
             _remove(call.reference)
             return exc.response()
+        finally:
+            if not streaming:  # a stream leaves when its last byte is sent or its client goes away
+                access.leave(client)
 
     async def models(request: Request) -> Response:
+        try:
+            access.check(request)
+        except ApiError as exc:
+            return exc.response()
         data = [{"id": checkpoint, "object": "model", "owned_by": "local", "task_type": _task_name(kind), "loaded": service.is_loaded(kind, checkpoint)}
                 for kind, checkpoints in service.choices.items() if kind in TASK_TYPES.values() for checkpoint in checkpoints]
         return JSONResponse({"object": "list", "data": data})
@@ -164,7 +218,7 @@ def _reference_file(encoded) -> Path:
     return Path(f.name)
 
 
-def _respond(call: SpeechCall, service: ModelService) -> Response:
+def _respond(call: SpeechCall, service: ModelService, done: Callable[[], None]) -> Response:
     key = f"api:{uuid.uuid4().hex}"  # Stop by key: the client going away frees the engine's row
     stream = service.stream(call.request, key)
     try:
@@ -177,7 +231,8 @@ def _respond(call: SpeechCall, service: ModelService) -> Response:
         raise
     headers = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Random-Weights": str(start.random_weights).lower()}
     if call.stream:
-        return StreamingResponse(_until_gone(_streamed(stream, call), service, key), media_type=MEDIA_TYPES[call.response_format], headers=headers)
+        return StreamingResponse(_until_gone(_streamed(stream, call), service, key, done), media_type=MEDIA_TYPES[call.response_format],
+                                 headers=headers)
     try:
         audio = np.concatenate([item.audio for item in stream if isinstance(item, Chunk)] or [np.zeros(0, np.float32)])
     finally:
@@ -199,7 +254,7 @@ def _streamed(stream: Iterator[StreamStart | Chunk | StreamEnd], call: SpeechCal
         _remove(call.reference)
 
 
-async def _until_gone(chunks: Iterator[bytes], service: ModelService, key: str):
+async def _until_gone(chunks: Iterator[bytes], service: ModelService, key: str, done: Callable[[], None]):
     """The chunks, each made on a worker thread; when the client disconnects (the response is
     cancelled), the stream is stopped, which frees its engine row within a frame."""
     try:
@@ -208,6 +263,7 @@ async def _until_gone(chunks: Iterator[bytes], service: ModelService, key: str):
     finally:
         with anyio.CancelScope(shield=True):
             await run_in_threadpool(service.stop, key)
+        done()
 
 
 def pcm16(audio: np.ndarray) -> bytes:
