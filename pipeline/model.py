@@ -23,7 +23,8 @@ from pipeline.layers import DETERMINISTIC_ATTENTION, RMSNorm, apply_rope, attent
 from pipeline.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
 
 
-def _known_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+def known_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `data` that are fields of the dataclass `cls` (config files carry many more)."""
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in data.items() if k in names}
 
@@ -49,7 +50,7 @@ class CodePredictorConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CodePredictorConfig":
-        return cls(**{**_known_fields(cls, data), "rope_theta": read_rope_theta(data, cls.rope_theta)})
+        return cls(**{**known_fields(cls, data), "rope_theta": read_rope_theta(data, cls.rope_theta)})
 
 
 @dataclass
@@ -84,7 +85,7 @@ class TalkerConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TalkerConfig":
-        values = _known_fields(cls, data)
+        values = known_fields(cls, data)
         values["code_predictor_config"] = CodePredictorConfig.from_dict(data.get("code_predictor_config") or {})
         values["rope_theta"] = read_rope_theta(data, cls.rope_theta)
         values["spk_id"] = dict(data.get("spk_id") or {})
@@ -111,7 +112,7 @@ class TTSConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TTSConfig":
-        values = _known_fields(cls, data)
+        values = known_fields(cls, data)
         values["talker_config"] = TalkerConfig.from_dict(data.get("talker_config") or {})
         values["speaker_encoder_config"] = SpeakerEncoderConfig.from_dict(data.get("speaker_encoder_config") or {})
         return cls(**values)

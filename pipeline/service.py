@@ -303,13 +303,10 @@ class ModelService:
 
     def chat(self, request: ChatRequest, checkpoint: str | None = None, key: str = "") -> Iterator[StreamStart | TextDelta | Queued | Chunk | ChatEnd | StreamEnd]:
         """Omni chat: like `stream`, with the reply's text deltas and a ChatEnd before the StreamEnd.
-        A new chat under the same `key` stops the one before it (barge-in)."""
+        A new chat under the same `key` stops the one before it."""
         source = checkpoint or self.default_checkpoint(OMNI)
         model = self.model(OMNI, source)
-        try:
-            reply = model.stream(request)
-        except EngineBusy as exc:
-            raise TTSInputError(str(exc)) from None
+        reply = model.stream(request)  # a full engine queue is found later, as a TTSInputError of the stream
         self._register(key, reply)
         try:
             yield StreamStart(source, self.random_weights(OMNI, source), list(reply.warnings))

@@ -299,9 +299,7 @@ class Engine:
     def submit(self, job: Job) -> Handle:
         """Queue `job` (FIFO); raises EngineBusy when the queue is full. The tensors in `job` must be
         made on the calling thread's current stream, before this call."""
-        if self.cuda:
-            job.ready = torch.cuda.Event()
-            job.ready.record()
+        job.ready = self._caller_ready()
         handle = Handle(self, job)
         with self.lock:
             if len(self.waiting) >= self.max_queue:
@@ -312,6 +310,15 @@ class Engine:
             self._ensure_thread()
             self.wake.notify()
         return handle
+
+    def _caller_ready(self) -> "torch.cuda.Event | None":
+        """An event on the caller's current stream: the engine's streams wait for it before reading
+        tensors the caller has just made (None on the CPU)."""
+        if not self.cuda:
+            return None
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
 
     def cancel(self, handle: Handle) -> None:
         with self.lock:
@@ -324,10 +331,7 @@ class Engine:
             self.wake.notify()
 
     def append_text(self, handle: Handle, embeds: torch.Tensor, end: bool) -> None:
-        ready = None
-        if self.cuda:
-            ready = torch.cuda.Event()
-            ready.record()
+        ready = self._caller_ready()
         with self.lock:
             if handle in self.waiting:  # not started: the text joins its last segment
                 segment = handle.job.segments[-1]
@@ -338,10 +342,7 @@ class Engine:
             self.wake.notify()
 
     def finish_prompt(self, handle: Handle, rest: torch.Tensor) -> None:
-        ready = None
-        if self.cuda:
-            ready = torch.cuda.Event()
-            ready.record()
+        ready = self._caller_ready()
         with self.lock:
             segment = handle.job.segments[0]
             if rest.shape[1] != segment.awaits:

@@ -9,10 +9,12 @@ batch, and rows share no RNG state.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pipeline.model import known_fields
 
 M32 = 0xFFFFFFFF
 
@@ -34,8 +36,7 @@ class SamplingConfig:
     @classmethod
     def from_generation_config(cls, data: dict[str, Any], **overrides: Any) -> "SamplingConfig":
         """Checkpoint defaults (generation_config.json), then any override that is not None."""
-        names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in names}
+        values = known_fields(cls, data)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

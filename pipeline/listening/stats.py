@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -164,6 +165,4 @@ def votes_csv(votes: list[dict]) -> str:
 
 
 def _json(value) -> str:
-    import json
-
     return json.dumps(value, ensure_ascii=False)

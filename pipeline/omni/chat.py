@@ -259,9 +259,9 @@ class _Turn:
 
     def run(self) -> None:
         try:
-            forward = self._think()
-            if forward is not None:
-                forward.join()
+            self._think()
+            if self.forward is not None:
+                self.forward.join()
             self._finish()
         except BaseException as exc:  # noqa: BLE001 - the consumer raises it
             log.exception("omni chat turn failed")
@@ -276,7 +276,7 @@ class _Turn:
     def _elapsed(self) -> float:
         return (time.perf_counter() - self.started) * 1000.0
 
-    def _think(self) -> threading.Thread | None:
+    def _think(self) -> None:
         chat, prepared = self.chat, self.prepared
         thinker, talker = chat.thinker, chat.talker
         # The talker's prompt but its last position is known once the thinker's layer accept_hidden_layer
@@ -290,7 +290,7 @@ class _Turn:
             if token == chat.im_end:
                 self.warnings.append("The model ended its reply before writing anything.")
             self.close()  # the talker's row, still waiting for its last prompt position, is let go
-            return self.forward
+            return
         with torch.inference_mode():
             first = thinker.embed(torch.tensor([token])).to(talker.codec_head.weight.dtype)
             self.handle.finish_prompt(assistant_first(talker, first, chat.ids)[None])
@@ -308,7 +308,6 @@ class _Turn:
         self.thinker_ms = (time.perf_counter() - thinker_start) * 1000.0 / steps if steps else 0.0
         # <|im_end|> is never spoken; the text ends with tts_eos, then the talker pads until it ends the speech.
         self._speak([], end=True)
-        return self.forward
 
     def _start_speech(self, embeds: torch.Tensor, hidden: torch.Tensor) -> None:
         """Submit the talker's row with its prompt but the last position: the user turns (from the

@@ -12,7 +12,7 @@ Parameter names are the official checkpoint's (`code2wav.*` in Qwen3-Omni's safe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from pipeline.codec.decoder import ConvNeXtBlock, DecoderBlock, DecoderTransform
 from pipeline.codec.streaming import CausalConv1d, LookaheadConvTranspose1d, StreamState, exact_float32_convolutions
 from pipeline.errors import CheckpointError
 from pipeline.loading import load_part, read_json
-from pipeline.model import read_rope_theta
+from pipeline.model import known_fields, read_rope_theta
 
 WEIGHT_PREFIX = "code2wav."
 
@@ -40,8 +40,7 @@ class Code2WavConfig(DecoderConfig):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Code2WavConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{**{k: v for k, v in raw.items() if k in names}, "rope_theta": read_rope_theta(raw, cls.rope_theta)})
+        return cls(**{**known_fields(cls, raw), "rope_theta": read_rope_theta(raw, cls.rope_theta)})
 
     @property
     def lookahead(self) -> int:

@@ -7,14 +7,14 @@ with the MoE step of `pipeline/omni/moe.py`. Parameter names are the checkpoint'
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipeline.errors import CheckpointError
-from pipeline.model import CodePredictor, CodePredictorConfig, ResizeMLP, Transformer, read_rope_theta
+from pipeline.model import CodePredictor, CodePredictorConfig, ResizeMLP, Transformer, known_fields, read_rope_theta
 from pipeline.omni.moe import SparseMoeBlock
 
 
@@ -47,8 +47,7 @@ class TalkerTextConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TalkerTextConfig":
-        names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in names}
+        values = known_fields(cls, data)
         if "num_local_experts" in data:  # transformers writes num_experts under this name
             values["num_experts"] = data["num_local_experts"]
         return cls(**{**values, "rope_theta": read_rope_theta(data, cls.rope_theta)})

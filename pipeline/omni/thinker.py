@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 
 from pipeline.engine.sampling import M32, RowSampling, exponential_noise, mix32, sample_rows
 from pipeline.errors import CheckpointError
+from pipeline.model import known_fields
 from pipeline.omni.conversation import ThinkerInputs
 
 
@@ -33,9 +34,8 @@ class ThinkerSampling:
 
     @classmethod
     def from_generation_config(cls, data: dict[str, Any]) -> "ThinkerSampling":
-        names = {f.name for f in fields(cls)}
         section = data.get("thinker") if isinstance(data.get("thinker"), dict) else data
-        return cls(**{k: v for k, v in section.items() if k in names})
+        return cls(**known_fields(cls, section))
 
 
 @dataclass
