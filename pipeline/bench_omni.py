@@ -9,8 +9,7 @@ limits given.
 Measures, after Send: time to the first text token and to the first audio, for a short text
 message and a 5 s audio message; talker + code predictor ms per frame (GPU time of the engine's
 decode step); thinker ms per token; the gaps between audio chunks against the audio already
-buffered (a stall is playback running dry); the same with several conversations at once; and the
-thinker's MoE implementations in transformers side by side. Writes JSON and markdown (GPU, torch,
+buffered (a stall is playback running dry); the same with several conversations at once. Writes JSON and markdown (GPU, torch,
 transformers, date and command next to the numbers).
 """
 from __future__ import annotations
@@ -30,6 +29,7 @@ import torch
 
 from pipeline.bench import write_report
 from pipeline.engine import Chunk
+from pipeline.omni.chat import THINKER_MAX_SEQ
 from pipeline.omni import ChatEnd, ChatRequest, Code2Wav, Code2WavConfig, OmniChat, OmniTalker, OmniTalkerConfig, PromptIds, TextDelta, Turn
 from pipeline.omni.thinker import Thinker
 from pipeline.tiny import OMNI_FEATURE_EXTRACTOR, randomize_, randomize_code2wav_, write_tiny_omni_tokenizer
@@ -106,7 +106,7 @@ def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, seed
     randomize_code2wav_(code2wav, g)
     # A random talker would end its speech at a random frame: keep EOS out of reach.
     talker.codec_head.weight[ids["talker_config"]["codec_eos_token_id"]].zero_()
-    thinker = Thinker(thinker_model.eval(), ids["talker_config"]["accept_hidden_layer"])
+    thinker = Thinker(thinker_model.eval(), ids["talker_config"]["accept_hidden_layer"], slots=rows, max_len=THINKER_MAX_SEQ)
     tokenizer = AutoTokenizer.from_pretrained(str(workdir))
     features = WhisperFeatureExtractor(**{k: v for k, v in OMNI_FEATURE_EXTRACTOR.items() if k != "feature_extractor_type"})
     return OmniChat(thinker, tokenizer, features, talker.eval(), code2wav.eval(), PromptIds.from_config(ids), {}, "random Qwen3-Omni-30B-A3B",
@@ -179,11 +179,14 @@ def together(chat: OmniChat, make_request, conversations: int) -> dict:
             "worst_underrun_ms": max(r["worst_underrun_ms"] for r in results)}
 
 
-def thinker_token_ms(chat: OmniChat, implementation: str, tokens: int = 30) -> float:
-    """The thinker's decode step with one of transformers' MoE implementations (eager: a loop over experts)."""
-    chat.thinker.model.config.text_config._experts_implementation = implementation
-    request = ChatRequest([Turn("user", SHORT_MESSAGE)], max_new_tokens=tokens, max_frames=1, seed=1)
-    return converse(chat, request)["thinker_ms_per_token"]
+def write_trace(chat: OmniChat, request: ChatRequest, path: Path) -> None:
+    """Where one reply's time goes, thread by thread (open in Perfetto or chrome://tracing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        converse(chat, request)
+    trace.export_chrome_trace(str(path))
+    print(trace.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
 
 
 def markdown(report: dict) -> str:
@@ -198,8 +201,7 @@ def markdown(report: dict) -> str:
     t = report["together"]
     lines += ["", f"{t['conversations']} conversations at once (short text): first audio {', '.join(f'{x:.0f}' for x in t['first_audio_ms'])} ms; "
               f"talker frame {t['talker_frame_ms']:.2f} ms; thinker token {t['thinker_ms_per_token']:.1f} ms; p95 chunk gap {t['gap_p95_ms']:.0f} ms; "
-              f"{t['stalls']} stalls (worst underrun {t['worst_underrun_ms']:.0f} ms).", "",
-              "Thinker ms per token by transformers' MoE implementation: " + ", ".join(f"{k} {v:.1f}" for k, v in report["thinker_moe"].items()), ""]
+              f"{t['stalls']} stalls (worst underrun {t['worst_underrun_ms']:.0f} ms).", "", ""]
     return "\n".join(lines)
 
 
@@ -213,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--together", type=int, default=4)
     parser.add_argument("--experts", default="grouped_mm", help="transformers' MoE implementation for the thinker")
-    parser.add_argument("--compare-experts", nargs="*", default=["eager", "batched_mm", "grouped_mm"])
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--trace", type=Path, default=None, help="also write a torch.profiler trace (.json.gz) of one reply here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
@@ -239,9 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report["single"]), flush=True)
         report["together"] = together(chat, requests["short text"], args.together)
         print(json.dumps(report["together"]), flush=True)
-        report["thinker_moe"] = {name: thinker_token_ms(chat, name) for name in args.compare_experts}
-        chat.thinker.model.config.text_config._experts_implementation = args.experts
-        print(json.dumps(report["thinker_moe"]), flush=True)
+        if args.trace is not None:
+            write_trace(chat, requests["short text"](7), args.trace)
     write_report(args.out, "omni", report, markdown(report))
     return 0
 

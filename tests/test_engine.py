@@ -152,14 +152,26 @@ def held_row(tts: TTS, voice):
     return dataclasses.replace(job, segments=[dataclasses.replace(segment, trailing=segment.trailing[:1], text_end=False)])
 
 
-def test_a_row_waiting_for_text_hands_out_what_it_has_made(tiny_checkpoints, reference_wav, models, voices):
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_row_waiting_for_text_keeps_its_chunks_and_audio(models, voices, greedy):
+    """Text that arrives late, a token at a time, gives the chunks, codes and audio (bit for bit) of
+    the text given at once: a waiting row holds its frames until the schedule's chunk is full, so
+    the audio depends on the codes and the schedule only, not on when the text came."""
     tts = models["base"]
-    job = dataclasses.replace(held_row(tts, voices["xvec"]), schedule=(4,))
-    handle = tts.engine.submit(job)
-    chunks = iter(handle)
-    first = next(chunks)  # one frame, then the text runs out: a short chunk now, not a full one later
-    assert first.frames == 1
-    handle.close()
+    request = SpeechRequest("Text that arrives while the voice already speaks.", greedy=greedy, seed=5, max_frames=40, schedule=(2, 3))
+    job, _ = tts.prepare(request, voices["xvec"])
+    at_once = tts.engine.submit(job)
+    expected = list(at_once)
+    segment = job.segments[0]
+    text = segment.trailing
+    handle = tts.engine.submit(dataclasses.replace(job, segments=[dataclasses.replace(segment, trailing=text[:1], text_end=False)]))
+    for n in range(1, len(text)):
+        time.sleep(0.02)  # the row runs out of text and waits, at a different frame each time
+        handle.append_text(text[n : n + 1], end=n == len(text) - 1)
+    late = list(handle)
+    assert [c.frames for c in late] == [c.frames for c in expected]
+    assert torch.equal(handle.codes, at_once.codes)
+    np.testing.assert_array_equal(np.concatenate([c.audio for c in late]), np.concatenate([c.audio for c in expected]))
 
 
 def test_fifo_admission_queue_limit_and_positions(tiny_checkpoints, reference_wav):

@@ -122,3 +122,16 @@ def test_omni_reply_is_reproducible_and_streamed_equals_offline(omni_cuda, tiny_
     assert len(first.codes) == 45
     offline = decode(Code2Wav.from_pretrained(tiny_omni, "cpu"), torch.from_numpy(first.codes)).numpy()
     assert first.audio.shape == offline.shape and np.abs(first.audio - offline).max() <= 1e-4
+
+
+def test_omni_graphed_thinker_and_talker_equal_eager(omni_cuda, tiny_omni):
+    """The thinker's one-token step replayed as a CUDA graph over its slot's static cache (and the
+    talker's graphs) give the eager run's reply and codes, greedy and sampled."""
+    from pipeline.omni import ChatRequest, OmniChat, Turn
+
+    eager = OmniChat.from_pretrained(str(tiny_omni), device="cuda", use_cuda_graphs=False)
+    for greedy in (True, False):
+        request = ChatRequest([Turn("user", "Tell me a short story about a lighthouse.")], greedy=greedy, max_new_tokens=30, max_frames=30, seed=11)
+        graphed, plain = omni_cuda.reply(request), eager.reply(request)
+        assert graphed.tokens == plain.tokens
+        np.testing.assert_array_equal(graphed.codes, plain.codes)

@@ -522,8 +522,9 @@ class Engine:
             if state is None or state.handle.closed or self.slots[row] is not state:
                 continue
             if not produced[row]:
-                # Running but no frame: it waits for more text. The listener gets what is made so far.
-                self._emit(state)
+                # Running but no frame: it waits for more text. Its pending frames wait too: chunks cut
+                # by the schedule alone keep a request's audio the same from run to run (the vocoder's
+                # floating-point result depends on how the frames are split into calls).
                 continue
             self._add_frame(state, codes[row].copy(), step_ms)
             if tokens[row] == self.decoder.eos_id or state.frames >= state.budget:

@@ -32,7 +32,7 @@ from pipeline.omni.code2wav import Code2Wav
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, ThinkerInputs, Turn, build_inputs
 from pipeline.omni.prompt import PromptIds, assistant_first, assistant_prefix, text_specials, user_part
 from pipeline.omni.talker import OmniTalker, OmniTalkerConfig
-from pipeline.omni.thinker import Thinker, ThinkerSampling
+from pipeline.omni.thinker import Prefilled, Thinker, ThinkerSampling
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 MAX_PROMPT = 2030  # thinker positions of the conversation (so the talker's prompt fits its largest prefill); older turns are dropped beyond
 DEFAULT_MAX_NEW_TOKENS = 1024
+THINKER_MAX_SEQ = MAX_PROMPT + DEFAULT_MAX_NEW_TOKENS  # thinker positions per conversation (its cache slot)
 DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once
 TALKER_MAX_SEQ = 4096  # talker positions per conversation: the user turns + 9 + frames
 CLOSE_TIMEOUT_S = 10.0
@@ -125,6 +126,8 @@ class OmniChat:
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         device = talker.codec_head.weight.device
         self.rows = rows or DEFAULT_ROWS.get(device.type, 2)
+        if use_cuda_graphs and device.type == "cuda":
+            thinker.warm_up()
         with torch.inference_mode():
             self.specials = text_specials(talker, thinker.model.get_input_embeddings(), ids).to(talker.codec_head.weight.dtype)
             decoder = BatchDecoder(talker, self.specials[0], self.rows, max_seq, use_cuda_graphs, compiled, min_new_tokens=0)
@@ -145,7 +148,9 @@ class OmniChat:
         check_memory(directory, torch_dev, torch_dt)
         ids = PromptIds.from_config(config)
         talker_raw = config.get("talker_config") or {}
-        thinker = Thinker.from_pretrained(directory, torch_dev, torch_dt, int(talker_raw.get("accept_hidden_layer", 24)))
+        slots = options.get("rows") or DEFAULT_ROWS.get(torch_dev.type, 2)
+        thinker = Thinker.from_pretrained(directory, torch_dev, torch_dt, int(talker_raw.get("accept_hidden_layer", 24)),
+                                          slots=slots, max_len=THINKER_MAX_SEQ)
         talker = load_talker(directory, talker_raw, torch_dev, torch_dt)
         # code2wav in float32 whatever the rest runs in, as the Qwen3-TTS codec (streamed == offline).
         code2wav = Code2Wav.from_pretrained(directory, torch_dev)
@@ -167,8 +172,8 @@ class OmniChat:
     def prepare(self, request: ChatRequest) -> _Prepared:
         """Everything checked and encoded before any work starts."""
         speaker = self.ids.speaker(request.speaker)
-        if request.max_new_tokens < 1:
-            raise TTSInputError("max_new_tokens must be at least 1.")
+        if not 1 <= request.max_new_tokens <= DEFAULT_MAX_NEW_TOKENS:
+            raise TTSInputError(f"max_new_tokens must be from 1 to {DEFAULT_MAX_NEW_TOKENS}, not {request.max_new_tokens}.")
         if request.max_frames is not None and request.max_frames < 1:
             raise TTSInputError("max_frames must be at least 1.")
         schedule = tuple(int(n) for n in request.schedule)
@@ -277,11 +282,20 @@ class _Turn:
         return (time.perf_counter() - self.started) * 1000.0
 
     def _think(self) -> None:
+        prepared, thinker = self.prepared, self.chat.thinker
+        slot = thinker.acquire(self.stop)
+        if slot is None:
+            return
+        try:
+            # The talker's prompt but its last position is known once the thinker's layer accept_hidden_layer
+            # is done: its prefill runs on the engine while the thinker's upper layers still run.
+            self._reply(thinker.prefill(slot, prepared.inputs, prepared.thinker_sampling, prepared.seed, self._start_speech))
+        finally:
+            thinker.release(slot)
+
+    def _reply(self, prefilled: Prefilled) -> None:
         chat, prepared = self.chat, self.prepared
         thinker, talker = chat.thinker, chat.talker
-        # The talker's prompt but its last position is known once the thinker's layer accept_hidden_layer
-        # is done: its prefill runs on the engine while the thinker's upper layers still run.
-        prefilled = thinker.prefill(prepared.inputs, prepared.thinker_sampling, prepared.seed, self._start_speech)
         state = prefilled.state
         token = thinker.pick(state, prefilled.logits)
         self.first_text_ms = self._elapsed()
