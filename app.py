@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sessions", default="listening", help="folder of the listening sessions: their files, clips and votes (SQLite)")
     parser.add_argument("--api-key", default=os.environ.get("QWEN_TTS_API_KEY"),
-                        help="key of the speech API (/v1/...), sent as 'Authorization: Bearer KEY' (env QWEN_TTS_API_KEY); "
+                        help="key of the HTTP API (/v1/...: speech and Omni chat), sent as 'Authorization: Bearer KEY' (env QWEN_TTS_API_KEY); "
                         "without one the API answers only when the server listens on localhost")
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link")
     parser.add_argument(
