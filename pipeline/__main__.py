@@ -21,7 +21,7 @@ from pipeline.request import SpeechRequest
 
 EXIT_BAD_INPUT = 2
 EXIT_BAD_CHECKPOINT = 3
-REQUEST_OPTIONS = ("text", "speaker", "language", "instruct", "ref_audio", "ref_text", "x_vector_only", "greedy", "seed",
+REQUEST_OPTIONS = ("text", "speaker", "language", "instruct", "ref_audio", "ref_text", "x_vector_only", "voice_prompt", "greedy", "seed",
                    "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k",
                    "subtalker_top_p", "max_frames")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--ref-audio", help="reference recording to clone (Base checkpoints)")
     synth.add_argument("--ref-text", help="transcript of the reference recording (ICL voice clone)")
     synth.add_argument("--x-vector-only", action="store_true", help="clone from the speaker embedding alone, no transcript")
+    synth.add_argument("--voice-prompt", help="a saved voice (.safetensors from --save-voice-prompt or the app's Export voice) instead of --ref-audio")
+    synth.add_argument("--save-voice-prompt", type=Path, help="also save the voice computed from --ref-audio as a .safetensors voice file")
     synth.add_argument("--greedy", action="store_true", help="no sampling, for talker and sub-talker")
     synth.add_argument("--seed", type=int)
     synth.add_argument("--temperature", type=float)
@@ -99,14 +101,22 @@ def synth(args: argparse.Namespace) -> None:
     check_output_path(args.out, "audio")
     if args.codes_out is not None:
         check_output_path(args.codes_out, "codes")
+    if args.save_voice_prompt is not None:
+        if request.ref_audio is None:
+            raise TTSInputError("--save-voice-prompt saves the voice computed from --ref-audio: give --ref-audio (with --ref-text or --x-vector-only).")
+        check_output_path(args.save_voice_prompt, "voice")
     torch_device(args.device)
     tts = TTS.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     start = time.perf_counter()
-    result = tts.synthesize(request)
+    # Computed here only to be saved; the synthesis uses it as it would have computed it.
+    voice = tts.create_voice_prompt(request.ref_audio, request.ref_text, request.x_vector_only) if args.save_voice_prompt else None
+    result = tts.synthesize(request, voice)
     wall = time.perf_counter() - start
     write_audio(args.out, result.audio, result.sample_rate, result.warnings)
     if args.codes_out is not None:
         save_codes(args.codes_out, result.codes)
+    if voice is not None:
+        tts.save_voice_prompt(voice, args.save_voice_prompt)
     seconds = len(result.audio) / result.sample_rate
     print(f"frames: {len(result.codes)}  audio: {seconds:.2f} s  wall: {wall:.2f} s  RTF: {wall / seconds:.3f}  -> {args.out}")
 
@@ -153,8 +163,9 @@ def read_batch(path: Path) -> list[BatchLine]:
         try:
             item.name = _batch_name(data, names)
             options = {k: v for k, v in data.items() if k != "name"}
-            if isinstance(options.get("ref_audio"), str) and not Path(options["ref_audio"]).is_absolute():
-                options["ref_audio"] = str(path.parent / options["ref_audio"])  # relative to the request file
+            for key in ("ref_audio", "voice_prompt"):
+                if isinstance(options.get(key), str) and not Path(options[key]).is_absolute():
+                    options[key] = str(path.parent / options[key])  # relative to the request file
             item.request = SpeechRequest.from_dict(options).validate()
             names.add(item.name)
         except TTSInputError as exc:

@@ -10,12 +10,12 @@ from typing import Literal
 from pipeline.errors import TTSInputError
 
 # The extensions each kind of output may have: audio in the formats soundfile writes (from the extension,
-# in any letter case), codes as NumPy's .npy.
-OUTPUT_EXTENSIONS = {"audio": (".wav", ".flac", ".ogg"), "codes": (".npy",), "text": (".txt",)}
+# in any letter case), codes as NumPy's .npy, a saved voice as safetensors.
+OUTPUT_EXTENSIONS = {"audio": (".wav", ".flac", ".ogg"), "codes": (".npy",), "text": (".txt",), "voice": (".safetensors",)}
 
 
-def check_output_path(path: Path, kind: Literal["audio", "codes", "text"]) -> None:
-    """Raise TTSInputError unless a file of `kind` ("audio", "codes" or "text", see OUTPUT_EXTENSIONS) can be written at `path`."""
+def check_output_path(path: Path, kind: Literal["audio", "codes", "text", "voice"]) -> None:
+    """Raise TTSInputError unless a file of `kind` ("audio", "codes", "text" or "voice", see OUTPUT_EXTENSIONS) can be written at `path`."""
     extensions = OUTPUT_EXTENSIONS[kind]
     if path.is_dir():
         raise TTSInputError(f"Cannot write {kind} to {path}: it is a directory; give a file name such as {path / ('out' + extensions[0])}.")

@@ -33,6 +33,7 @@ class SpeechRequest:
     ref_audio: Any = None  # a file path, or (samples, sample_rate)
     ref_text: str | None = None
     x_vector_only: bool = False
+    voice_prompt: Any = None  # a saved voice instead of reference audio: a voice file's path, or its bytes
     greedy: bool = False
     seed: int | None = None
     temperature: float | None = None
@@ -82,7 +83,20 @@ class SpeechRequest:
                 raise TTSInputError(f"{name} must be text, not {type(value).__name__}.")
         if self.ref_audio is not None and isinstance(self.ref_audio, (str, Path)) and not str(self.ref_audio).strip():
             raise TTSInputError("ref_audio is empty: give the path of a recording.")
+        if self.voice_prompt is not None:
+            self._check_saved_voice()
         return self
+
+    def _check_saved_voice(self) -> None:
+        # The file brings the transcript and mode it was made with; a second, different one would be ignored.
+        if not isinstance(self.voice_prompt, (str, Path, bytes)):
+            raise TTSInputError(f"voice_prompt is a voice file's path or its bytes, not {type(self.voice_prompt).__name__}.")
+        if isinstance(self.voice_prompt, (str, Path)) and not str(self.voice_prompt).strip():
+            raise TTSInputError("voice_prompt is empty: give the path of a voice file.")
+        if self.ref_audio is not None:
+            raise TTSInputError("Give either reference audio or a saved voice (voice_prompt), not both.")
+        if (self.ref_text or "").strip() or self.x_vector_only:
+            raise TTSInputError("A saved voice brings its own transcript and x-vector-only mode: leave ref_text and x_vector_only out.")
 
     def sampling_overrides(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in (

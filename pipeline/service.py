@@ -23,13 +23,14 @@ from pipeline.omni import HUB_ID as OMNI_HUB_ID
 from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, ChatStream, OmniChat, TextDelta, Turn
 from pipeline.errors import CheckpointError, EngineBusy, TTSInputError
 from pipeline.model import MODEL_TYPES
+from pipeline import voice_file
 from pipeline.request import SpeechRequest
-from pipeline.tts import TTS, VoicePrompt
+from pipeline.tts import SAMPLES_PER_FRAME, TTS, VoicePrompt
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_SCHEDULE", "DEFAULT_SPEAKER", "DEFAULT_SYSTEM_PROMPT", "MAX_AUDIO_SECONDS", "ChatEnd", "ChatRequest", "Chunk", "ModelInfo",
-           "ModelService", "Queued", "SpeechRequest", "StreamEnd", "StreamStart", "TTSInputError", "TextDelta", "Turn", "parse_models"]
+           "ModelService", "Queued", "SpeechRequest", "StreamEnd", "StreamStart", "TTSInputError", "TextDelta", "Turn", "VoiceInfo", "parse_models"]
 
 # The official checkpoints per model type; the first is each tab's default.
 HUB_CHECKPOINTS: dict[str, tuple[str, ...]] = {
@@ -100,6 +101,15 @@ class ModelInfo:
     random_weights: bool
 
 
+@dataclass(frozen=True)
+class VoiceInfo:
+    """What the Voice clone tab says about a loaded voice file."""
+
+    x_vector_only: bool
+    ref_text: str | None
+    ref_seconds: float  # of reference audio behind its codes; 0 for x-vector only
+
+
 @dataclass
 class StreamStart:
     """The first item of `ModelService.stream`: what serves the request and what the user should know."""
@@ -141,6 +151,7 @@ class ModelService:
         self._tiny_lock = threading.Lock()  # one writer of the tiny checkpoints at a time
         self.fallbacks: dict[str, Fallback] = {}
         self._voice_prompts: OrderedDict[tuple, VoicePrompt] = OrderedDict()
+        self._exports = Path(tempfile.mkdtemp(prefix="qwen3-tts-voices-"))  # voice files for download
         self._streams: dict[str, Handle | ChatStream] = {}
         # On ZeroGPU Spaces each stream runs in the GPU worker that `spaces.GPU` hands it to.
         self.stream = gpu(self.stream)
@@ -253,13 +264,26 @@ class ModelService:
         path = check_reference_upload(ref_audio)
         transcript = (ref_text or "").strip()
         key = (id(tts), content_hash(path), x_vector_only)
+        cached = self._cached_voice(key)
+        if cached is not None and (x_vector_only or transcript):
+            return cached if x_vector_only else replace(cached, ref_text=transcript)
+        return self._keep_voice(key, tts.create_voice_prompt(str(path), transcript, x_vector_only))  # raises for ICL without transcript
+
+    def saved_voice(self, tts: TTS, source: str | Path | bytes) -> VoicePrompt:
+        """The voice of a voice file (path or bytes), checked against `tts` and loaded once per (model, file content)."""
+        data = voice_file.read(source)
+        key = (id(tts), "saved", hashlib.sha256(data).hexdigest())
+        cached = self._cached_voice(key)
+        return cached if cached is not None else self._keep_voice(key, tts.load_voice_prompt(data))
+
+    def _cached_voice(self, key: tuple) -> VoicePrompt | None:
         with self._lock:
             cached = self._voice_prompts.get(key)
             if cached is not None:
                 self._voice_prompts.move_to_end(key)
-        if cached is not None and (x_vector_only or transcript):
-            return cached if x_vector_only else replace(cached, ref_text=transcript)
-        prompt = tts.create_voice_prompt(str(path), transcript, x_vector_only)  # raises for ICL without transcript
+        return cached
+
+    def _keep_voice(self, key: tuple, prompt: VoicePrompt) -> VoicePrompt:
         with self._lock:
             self._voice_prompts[key] = prompt
             while len(self._voice_prompts) > VOICE_PROMPT_CACHE:
@@ -274,6 +298,23 @@ class ModelService:
         self.voice_prompt(self.model("base", checkpoint), ref_audio, ref_text, x_vector_only)
         return True
 
+    def export_voice(self, checkpoint: str | None, ref_audio: str | Path, ref_text: str | None, x_vector_only: bool) -> Path:
+        """A reference's voice prompt (computed once, as for Generate) as a voice file to download."""
+        tts = self.model("base", checkpoint)
+        prompt = self.voice_prompt(tts, ref_audio, ref_text, x_vector_only)
+        # Named by what made it, so that preparing the same voice again rewrites one file rather than adding one.
+        made_of = f"{tts.name}\0{content_hash(ref_audio)}\0{x_vector_only}\0{prompt.ref_text}"
+        name = f"voice-{Path(ref_audio).stem[:40]}-{hashlib.sha256(made_of.encode()).hexdigest()[:8]}{voice_file.SUFFIX}"
+        return tts.save_voice_prompt(prompt, self._exports / name)
+
+    def load_voice_file(self, checkpoint: str | None, path: str | Path) -> VoiceInfo:
+        """Check a voice file against the checkpoint and load it now (Generate then finds it ready);
+        what it holds, for the tab to show. A bad file raises TTSInputError naming its problem."""
+        tts = self.model("base", checkpoint)
+        prompt = self.saved_voice(tts, path)
+        frames = 0 if prompt.ref_codes is None else prompt.ref_codes.shape[0]
+        return VoiceInfo(not prompt.icl, prompt.ref_text, frames * SAMPLES_PER_FRAME / tts.sample_rate)
+
     # ---- streaming ---------------------------------------------------------------------------
 
     def stream(self, request: SpeechRequest, key: str = "") -> Iterator[StreamStart | Queued | Chunk | StreamEnd]:
@@ -286,7 +327,9 @@ class ModelService:
         source = request.checkpoint or self.default_checkpoint(request.model_type)
         tts = self.model(request.model_type, source)
         voice = None
-        if request.model_type == "base":
+        if request.model_type == "base" and request.voice_prompt is not None:
+            voice = self.saved_voice(tts, request.voice_prompt)
+        elif request.model_type == "base":
             voice = self.voice_prompt(tts, request.ref_audio, request.ref_text, request.x_vector_only)
         try:
             handle = tts.submit(request, voice)

@@ -3,13 +3,17 @@ engine, get streamed `Chunk`s (or the whole utterance)."""
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from pipeline import audio as audio_io
+from pipeline import voice_file
 from pipeline.codec import SpeechTokenizer
 from pipeline.engine import BatchDecoder, Engine, Handle, Job, SamplingConfig, Segment
 from pipeline.errors import TTSInputError
@@ -17,6 +21,7 @@ from pipeline.loading import load_model, load_text_tokenizer, read_json, resolve
 from pipeline.model import Qwen3TTS
 from pipeline.prompt import ICLReference, Prompt, assistant_text, build_prompt, instruct_text, reference_text
 from pipeline.request import MAX_TEXT_CHARS, SpeechRequest, split_text
+from pipeline.voice_file import SavedVoice, VoiceSpace
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +140,39 @@ class TTS:
         # Prime a one-row vocoder stream once per voice; each request's row starts from a copy of it.
         return VoicePrompt(embedding, codes, transcript, self.engine.vocoder.primed_state(codes))
 
+    @cached_property
+    def voice_space(self) -> VoiceSpace:
+        """What this checkpoint's voice prompts mean: a saved voice must have been made in the same space."""
+        codec = self.speech_tokenizer.config
+        return VoiceSpace(
+            self.name,
+            voice_file.fingerprint(self.model.speaker_encoder, self.speech_tokenizer.decoder.quantizer),
+            self.config.talker_config.hidden_size,
+            codec.decoder.num_quantizers,
+            codec.decoder.codebook_size,
+            math.ceil(audio_io.MAX_SECONDS * codec.input_sample_rate / codec.encode_downsample_rate),
+        )
+
+    def save_voice_prompt(self, voice: VoicePrompt, path: str | Path) -> Path:
+        """Write `voice` as a voice file (pipeline/voice_file.py) that `load_voice_prompt` reads back."""
+        path = Path(path)
+        path.write_bytes(voice_file.dumps(SavedVoice(voice.speaker_embedding, voice.ref_codes, voice.ref_text), self.voice_space))
+        return path
+
+    @torch.inference_mode()
+    def load_voice_prompt(self, source: str | Path | bytes) -> VoicePrompt:
+        """A voice file (its path or its bytes), checked in full against this checkpoint: every problem
+        raises TTSInputError before anything is computed. Equal to the prompt it was saved from."""
+        if self.model_type != "base":
+            raise TTSInputError(f"A saved voice is for Base (voice clone) checkpoints; {self.name} is a {self.model_type} checkpoint.")
+        saved = voice_file.loads(voice_file.read(source), self.voice_space)
+        embedding = saved.speaker_embedding.to(self.device, self.dtype)
+        if saved.ref_codes is None:
+            return VoicePrompt(embedding)
+        codes = saved.ref_codes.to(self.speech_tokenizer.device)
+        # Not stored in the file: recomputed from the codes, bit for bit what create_voice_prompt primed.
+        return VoicePrompt(embedding, codes, saved.ref_text, self.engine.vocoder.primed_state(codes))
+
     def _language_id(self, language: str, speaker: str | None) -> int | None:
         t = self.config.talker_config
         lang = (language or "auto").strip().lower()
@@ -164,8 +202,12 @@ class TTS:
         speaker = self._speaker(request.speaker)
         self._language_id(request.language, speaker)
         if self.model_type == "base":
-            if voice is None and request.ref_audio is None:
-                raise TTSInputError("This is a Base (voice clone) checkpoint: give reference audio (and its transcript, or x-vector-only mode).")
+            if voice is None and request.ref_audio is None and request.voice_prompt is None:
+                raise TTSInputError(
+                    "This is a Base (voice clone) checkpoint: give reference audio (and its transcript, or x-vector-only mode), or a saved voice."
+                )
+        elif request.voice_prompt is not None:
+            raise TTSInputError(f"A saved voice is for Base (voice clone) checkpoints; {self.name} is a {self.model_type} checkpoint.")
         elif request.ref_audio is not None or voice is not None:
             raise TTSInputError(f"Reference audio is for Base (voice clone) checkpoints; {self.name} is a {self.model_type} checkpoint.")
         elif request.ref_text or request.x_vector_only:
@@ -209,7 +251,10 @@ class TTS:
         """Validate `request` and build its job (every problem raises TTSInputError, before any generation)."""
         warnings = self.check(request, voice)
         if self.model_type == "base" and voice is None:
-            voice = self.create_voice_prompt(request.ref_audio, request.ref_text, request.x_vector_only)
+            if request.voice_prompt is not None:
+                voice = self.load_voice_prompt(request.voice_prompt)
+            else:
+                voice = self.create_voice_prompt(request.ref_audio, request.ref_text, request.x_vector_only)
         instruct = (request.instruct or "").strip() if self.supports_instruct else ""
         text = request.text
         segments = split_text(text) if len(text) <= MAX_TEXT_CHARS else [text]

@@ -30,6 +30,13 @@ def int16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1, 1) * 32767.0).astype(np.int16)
 
 
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+REF_TEXT = "Speak slowly."
+
+
 def test_models_lists_what_is_served(api):
     client, _ = api
     data = client.get("/v1/models").json()["data"]
@@ -76,6 +83,61 @@ def test_voice_clone_from_base64_reference(api, reference_wav):
             "response_format": "pcm", "seed": 4, "max_new_tokens": 10}
     response = client.post("/v1/audio/speech", json=body)
     assert response.status_code == 200 and len(response.content) == 10 * 1920 * 2
+
+
+@pytest.fixture(scope="module")
+def voice_file(api, reference_wav, tmp_path_factory):
+    """A voice file of the served tiny Base checkpoint, made from `reference_wav` with REF_TEXT."""
+    _, service = api
+    tts = service.model("base", TINY)
+    return tts.save_voice_prompt(tts.create_voice_prompt(str(reference_wav), REF_TEXT), tmp_path_factory.mktemp("voice") / "voice.safetensors")
+
+
+@pytest.mark.parametrize("sampling", [{"seed": 4}, {"seed": 4, "temperature": 0.5, "top_k": 5}])
+def test_a_saved_voice_speaks_as_its_reference_recording(api, reference_wav, voice_file, sampling):
+    client, _ = api
+    body = {"input": "Now in that voice.", "task_type": "Base", "response_format": "pcm", "max_new_tokens": 10, **sampling}
+    from_reference = client.post("/v1/audio/speech", json={**body, "ref_audio": b64(reference_wav.read_bytes()), "ref_text": REF_TEXT})
+    from_file = client.post("/v1/audio/speech", json={**body, "voice_prompt": f"data:application/octet-stream;base64,{b64(voice_file.read_bytes())}"})
+    assert from_reference.status_code == from_file.status_code == 200
+    assert len(from_file.content) == 10 * 1920 * 2 and from_file.content == from_reference.content
+
+
+def rewritten_metadata(path, **fields) -> bytes:
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save
+
+    with safe_open(path, "pt") as f:
+        metadata = json.loads(f.metadata()["qwen3_tts_voice"])
+    return save(load_file(path), metadata={"qwen3_tts_voice": json.dumps({**metadata, **fields})})
+
+
+def test_bad_saved_voices_get_json_errors(api, voice_file, reference_wav):
+    client, service = api
+    base = {"input": "Hi.", "task_type": "Base"}
+    other = rewritten_metadata(voice_file, checkpoint="Qwen/Qwen3-TTS-12Hz-1.7B-Base", fingerprint="0123456789abcdef", speaker_dim=2048)
+    fingerprint = service.model("base", TINY).voice_space.fingerprint
+    cases = [
+        ({"voice_prompt": "not base64!"}, "'voice_prompt' is not valid base64."),
+        ({"voice_prompt": str(voice_file)}, "'voice_prompt' is not valid base64."),  # a path is never opened
+        ({"voice_prompt": 12}, "'voice_prompt' is a voice file as base64 (a data: URL or plain base64)."),
+        ({"voice_prompt": b64(b"garbage bytes, no voice")}, "This is not a Qwen3-TTS voice file"),
+        ({"voice_prompt": b64(voice_file.read_bytes()[:-10])}, "The voice file is cut short"),
+        ({"voice_prompt": b64(other)}, "This voice was made with the checkpoint 'Qwen/Qwen3-TTS-12Hz-1.7B-Base' (weights 0123456789abcdef, "
+                                       f"2048-dim speaker embedding) and cannot be used with '{service.model('base', TINY).name}' "
+                                       f"(weights {fingerprint}, 64-dim)"),
+        ({"voice_prompt": b64(voice_file.read_bytes()), "ref_audio": b64(reference_wav.read_bytes())},
+         "Give either 'ref_audio' (a recording) or 'voice_prompt' (a saved voice), not both."),
+        ({"voice_prompt": b64(voice_file.read_bytes()), "ref_text": "Hi."}, "A saved voice brings its own transcript and mode"),
+    ]
+    for fields, message in cases:
+        response = client.post("/v1/audio/speech", json={**base, **fields})
+        assert response.status_code == 400, fields
+        assert message in response.json()["error"]["message"]
+    response = client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "voice_prompt": b64(voice_file.read_bytes())})
+    assert response.status_code == 400 and response.json()["error"]["message"] == "'voice_prompt' (a saved voice) is for task_type Base."
 
 
 @pytest.mark.parametrize("body, status, message", [

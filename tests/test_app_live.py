@@ -61,7 +61,7 @@ def tables(outputs: list) -> list[list]:
 def test_each_tab_streams_chunks_to_the_table_and_the_pcm_route(server, client, speaker, reference_wav, tab):
     run_id = f"{tab}-test-{time.time_ns()}"
     inputs = {
-        "clone": (TINY, handle_file(str(reference_wav)), "Speak slowly and warmly.", False, SPEECH, "auto"),
+        "clone": (TINY, handle_file(str(reference_wav)), "Speak slowly and warmly.", False, None, SPEECH, "auto"),
         "custom": (TINY, speaker, "", SPEECH, "english"),
         "design": (TINY, "A calm, low female voice.", SPEECH, "auto"),
     }[tab]
@@ -96,11 +96,11 @@ def test_errors_have_specific_messages_and_the_app_keeps_serving(server, client,
         ("/custom_generate", (TINY, speaker, "", "x" * 5001, "auto"), "the limit is 5000 characters"),
         ("/custom_generate", (TINY, "nobody", "", SPEECH, "auto"), "Unknown speaker 'nobody'"),
         ("/design_generate", (TINY, "A calm voice.", SPEECH, "klingon"), "Unsupported language 'klingon'"),
-        ("/clone_generate", (TINY, None, "", False, SPEECH, "auto"), "No reference audio"),
-        ("/clone_generate", (TINY, handle_file(str(reference_wav)), "", False, SPEECH, "auto"), "needs the transcript"),
-        ("/clone_generate", (TINY, handle_file(str(notes)), "Hi.", False, SPEECH, "auto"), "could not be read as audio"),
-        ("/clone_generate", (TINY, handle_file(str(silent)), "Hi.", False, SPEECH, "auto"), "is silent"),
-        ("/clone_generate", (TINY, handle_file(str(short)), "Hi.", False, SPEECH, "auto"), "must be at least 1 s"),
+        ("/clone_generate", (TINY, None, "", False, None, SPEECH, "auto"), "No reference audio"),
+        ("/clone_generate", (TINY, handle_file(str(reference_wav)), "", False, None, SPEECH, "auto"), "needs the transcript"),
+        ("/clone_generate", (TINY, handle_file(str(notes)), "Hi.", False, None, SPEECH, "auto"), "could not be read as audio"),
+        ("/clone_generate", (TINY, handle_file(str(silent)), "Hi.", False, None, SPEECH, "auto"), "is silent"),
+        ("/clone_generate", (TINY, handle_file(str(short)), "Hi.", False, None, SPEECH, "auto"), "must be at least 1 s"),
     ]
     for api_name, inputs, message in cases:
         with pytest.raises(AppError, match=message):
@@ -115,7 +115,7 @@ def test_upload_over_50_mb_is_refused_with_the_limit(server, client, tmp_path):
     with open(big, "wb") as f:
         f.truncate(51 * 2**20)
     with pytest.raises(Exception, match="exceeds the maximum file size of 52428800 bytes"):
-        client.predict(TINY, handle_file(str(big)), "Hi.", False, SPEECH, "auto", *SHORT, "", api_name="/clone_generate")
+        client.predict(TINY, handle_file(str(big)), "Hi.", False, None, SPEECH, "auto", *SHORT, "", api_name="/clone_generate")
     # The server refuses it too, before storing it, whatever the client checked.
     with open(big, "rb") as f:
         response = httpx.post(f"{server['url']}gradio_api/upload", files={"files": ("big.wav", f)}, timeout=60)
@@ -158,7 +158,7 @@ def test_sessions_on_different_models_stream_at_the_same_time(server, speaker, r
     jobs = [
         clients[0].submit(TINY, speaker, "", SPEECH, "auto", *SHORT, "", api_name="/custom_generate"),
         clients[1].submit(TINY, "A calm, low female voice.", SPEECH, "auto", *SHORT, "", api_name="/design_generate"),
-        clients[2].submit(TINY, handle_file(str(reference_wav)), "Hi.", True, SPEECH, "auto", *SHORT, "", api_name="/clone_generate"),
+        clients[2].submit(TINY, handle_file(str(reference_wav)), "Hi.", True, None, SPEECH, "auto", *SHORT, "", api_name="/clone_generate"),
     ]
     for job in jobs:
         assert len(tables(list(job))[-1]) >= 3

@@ -49,8 +49,10 @@ def custom_args(service: ModelService, **overrides) -> tuple:
     return (*values.values(), *ADVANCED, "")
 
 
-def clone_args(reference: Path | None, transcript: str = "Speak slowly and warmly.", xvec: bool = False, text: str = SPEECH) -> tuple:
-    return (TINY, None if reference is None else str(reference), transcript, xvec, text, "auto", *ADVANCED, "")
+def clone_args(reference: Path | None, transcript: str = "Speak slowly and warmly.", xvec: bool = False, text: str = SPEECH,
+               voice_file: Path | None = None) -> tuple:
+    return (TINY, None if reference is None else str(reference), transcript, xvec, None if voice_file is None else str(voice_file), text, "auto",
+            *ADVANCED, "")
 
 
 def table_rows(updates: list[dict]) -> list[list]:
@@ -187,6 +189,46 @@ def write(path: Path, audio: np.ndarray, rate: int = 24000) -> Path:
 def test_bad_reference_audio_gives_its_own_message(demo, tmp_path, make, message):
     with pytest.raises(gr.Error, match=message.replace("(", r"\(").replace(")", r"\)")):
         run_handler(demo, "clone_generate", *clone_args(make(tmp_path)))
+
+
+def final_audio(updates: list[dict]) -> np.ndarray:
+    return next(v for k, v in updates[-1].items() if k.elem_id.endswith("-audio"))[1]
+
+
+def test_the_clone_tab_exports_a_voice_and_imports_it_instead_of_the_reference(demo, reference_wav):
+    voice = handler(demo, "clone_voice")
+    transcript = "Speak slowly and warmly."
+    status, export = voice(TINY, str(reference_wav), transcript, False, None)
+    assert status.startswith("Voice ready") and export["interactive"] and export["value"].endswith(".safetensors")
+    exported = export["value"]
+    status, export = voice(TINY, None, "", False, exported)  # imported; the reference inputs no longer matter
+    assert status == (f"**Using the imported voice** `{Path(exported).name}` (ICL with 3.2 s of reference and its transcript); "
+                      "the reference audio above is not used. Clear the file to use it again.")
+    assert not export["interactive"] and export["value"] is None
+    from_file = final_audio(run_handler(demo, "clone_generate", *clone_args(None, "", voice_file=exported)))
+    from_reference = final_audio(run_handler(demo, "clone_generate", *clone_args(reference_wav, transcript)))
+    assert len(from_file) > 0 and np.array_equal(from_file, from_reference)
+    status, export = voice(TINY, str(reference_wav), transcript, False, None)  # the file cleared: the reference again
+    assert status.startswith("Voice ready") and export["value"] == exported
+
+
+def test_an_x_vector_only_voice_round_trips_through_the_tab(demo, reference_wav):
+    voice = handler(demo, "clone_voice")
+    _, export = voice(TINY, str(reference_wav), "", True, None)
+    status, _ = voice(TINY, None, "", False, export["value"])
+    assert "(x-vector only)" in status
+    from_file = final_audio(run_handler(demo, "clone_generate", *clone_args(None, "", voice_file=export["value"])))
+    from_reference = final_audio(run_handler(demo, "clone_generate", *clone_args(reference_wav, "", xvec=True)))
+    assert np.array_equal(from_file, from_reference)
+
+
+def test_a_bad_voice_file_is_a_gr_error_with_its_sentence(demo, tmp_path):
+    bad = file_with(tmp_path / "voice.safetensors", b"\x00" * 64)
+    message = r"This is not a Qwen3-TTS voice file \(a .safetensors file made by Export voice or synth --save-voice-prompt\)."
+    with pytest.raises(gr.Error, match=message):
+        handler(demo, "clone_voice")(TINY, None, "", False, str(bad))
+    with pytest.raises(gr.Error, match=message):
+        run_handler(demo, "clone_generate", *clone_args(None, "", voice_file=bad))
 
 
 def test_upload_over_50_mb_is_refused(tmp_path):

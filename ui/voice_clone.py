@@ -1,4 +1,5 @@
-"""Voice clone tab: a reference recording (uploaded, recorded or a sample voice) speaks new text."""
+"""Voice clone tab: a reference recording (uploaded, recorded or a sample voice) speaks new text; the
+voice computed from it can be exported as a file and imported again instead of the recording."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from pathlib import Path
 import gradio as gr
 
 from pipeline.errors import TTSInputError
-from pipeline.service import ModelService, SpeechRequest
+from pipeline.service import ModelService, SpeechRequest, VoiceInfo
 from ui import controls
 from ui.latency import LatencyPanel
 
@@ -48,6 +49,13 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
                 )
                 voice_status = gr.Markdown("", elem_id=f"{NAME}-voice-status")
                 gr.Examples(sample_voices(), inputs=[ref_audio, ref_text], label="Sample voices (synthetic, free to ship)")
+                export = gr.DownloadButton("Export voice", value=None, interactive=False, size="sm", elem_id=f"{NAME}-export")
+                saved = gr.File(
+                    label="Import voice (a file from Export voice; used instead of the reference above until cleared)",
+                    file_types=[".safetensors"],
+                    type="filepath",
+                    elem_id=f"{NAME}-voice-file",
+                )
             with gr.Column():
                 text = controls.text_input(NAME, EXAMPLES)
                 language = controls.language_picker(NAME)
@@ -57,32 +65,53 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
 
     load = controls.model_loader(service, MODEL_TYPE)
 
-    def speak(name, ref, transcript, xvec, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
+    def speak(name, ref, transcript, xvec, voice_file, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
               request: gr.Request, progress=gr.Progress(track_tqdm=True)):
+        # An imported voice replaces the reference recording, its transcript and its mode.
+        voice = {"voice_prompt": voice_file} if voice_file else {"ref_audio": ref, "ref_text": transcript, "x_vector_only": bool(xvec)}
         speech = SpeechRequest(
-            text, model_type=MODEL_TYPE, checkpoint=name, language=language, ref_audio=ref, ref_text=transcript, x_vector_only=bool(xvec),
+            text, model_type=MODEL_TYPE, checkpoint=name, language=language, **voice,
             **controls.sampling_fields(temperature, top_k, top_p, penalty, seed, schedule, max_seconds),
         )
         yield from controls.generation(service, panel, speech, run_id, request, progress)
 
-    def prepare(name, ref, transcript, xvec) -> str:
+    def voice_state(name, ref, transcript, xvec, voice_file) -> tuple[str, dict]:
+        """The status line and the Export button for the voice Generate will use: an imported voice
+        file if there is one (a bad one is a gr.Error), else the reference."""
+        if not voice_file:
+            return prepare(name, ref, transcript, xvec)
+        try:
+            info = service.load_voice_file(name, voice_file)
+        except TTSInputError as exc:
+            raise gr.Error(str(exc)) from None
+        return saved_voice_status(Path(voice_file).name, info), gr.update(value=None, interactive=False)
+
+    def prepare(name, ref, transcript, xvec) -> tuple[str, dict]:
+        no_export = gr.update(value=None, interactive=False)
         if ref is None:
-            return ""
+            return "", no_export
         start = time.perf_counter()
         try:
             ready = service.prepare_voice(name, ref, transcript, bool(xvec))
         except TTSInputError as exc:
-            return f"**Cannot use this reference:** {exc}"
+            return f"**Cannot use this reference:** {exc}", no_export
         if not ready:
-            return "Add the transcript of the reference (or tick x-vector only) to prepare this voice."
-        return f"Voice ready ({(time.perf_counter() - start) * 1000:.0f} ms): computed once, reused by every generation."
+            return "Add the transcript of the reference (or tick x-vector only) to prepare this voice.", no_export
+        status = f"Voice ready ({(time.perf_counter() - start) * 1000:.0f} ms): computed once, reused by every generation."
+        return status, gr.update(value=str(service.export_voice(name, ref, transcript, bool(xvec))), interactive=True)
 
-    # The voice prompt is computed as soon as the reference is complete, not at the first Generate.
-    voice_inputs = [checkpoint, ref_audio, ref_text, x_vector_only]
-    for trigger in (ref_audio.change, ref_text.blur, x_vector_only.change):
-        trigger(prepare, voice_inputs, voice_status, concurrency_id=MODEL_TYPE, concurrency_limit=1, trigger_mode="always_last",
-                show_progress="minimal", api_visibility="private")
+    # The voice prompt is computed (or the voice file loaded) as soon as the voice is complete, not at
+    # the first Generate; another checkpoint means another voice, and may refuse the imported one.
+    voice_inputs = [checkpoint, ref_audio, ref_text, x_vector_only, saved]
+    for trigger in (ref_audio.change, ref_text.blur, x_vector_only.change, saved.change, checkpoint.change):
+        trigger(voice_state, voice_inputs, [voice_status, export], concurrency_id=MODEL_TYPE, concurrency_limit=1, trigger_mode="always_last",
+                show_progress="minimal", api_name=f"{NAME}_voice", api_visibility="private")
 
-    inputs = [checkpoint, ref_audio, ref_text, x_vector_only, text, language, *advanced.inputs]
+    inputs = [checkpoint, ref_audio, ref_text, x_vector_only, saved, text, language, *advanced.inputs]
     controls.wire_buttons(service, panel, generate, stop, speak, inputs)
     return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language])
+
+
+def saved_voice_status(name: str, info: VoiceInfo) -> str:
+    mode = "x-vector only" if info.x_vector_only else f"ICL with {info.ref_seconds:.1f} s of reference and its transcript"
+    return f"**Using the imported voice** `{name}` ({mode}); the reference audio above is not used. Clear the file to use it again."

@@ -1,7 +1,8 @@
 """The speech API on the app's own server: OpenAI's `POST /v1/audio/speech` (plus the Qwen3-TTS fields
 vllm-omni accepts) and `GET /v1/models`. Requests go through the same model service and engine
 queue as the UI. Errors are JSON in OpenAI's shape with a 4xx status; a reference recording comes
-as base64 in the body and is written to a file the server names (no request field is a path).
+as base64 in the body and is written to a file the server names, a saved voice (`voice_prompt`)
+comes as base64 and is read from memory (no request field is a path).
 
 Access (`common.Access`): with a key, every call needs it as a bearer token; a server listening beyond
 localhost without a key keeps the API off; a client has at most a few requests in flight.
@@ -35,7 +36,7 @@ MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp
 STREAMED_FORMATS = ("pcm", "wav")
 TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
 FIELDS = {"model", "input", "voice", "response_format", "speed", "stream", "task_type", "language", "instructions", "ref_audio", "ref_text",
-          "x_vector_only_mode", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature",
+          "x_vector_only_mode", "voice_prompt", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature",
           "subtalker_top_k", "subtalker_top_p"}
 SAMPLING_FIELDS = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p")
 
@@ -89,6 +90,8 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
     if data.get("max_new_tokens") is not None:
         fields["max_frames"] = data["max_new_tokens"]
     reference = None
+    if model_type != "base" and data.get("voice_prompt") is not None:
+        raise ApiError(400, "'voice_prompt' (a saved voice) is for task_type Base.", "voice_prompt")
     if model_type == "custom_voice":
         fields["speaker"] = data.get("voice")
         fields["instruct"] = data.get("instructions")
@@ -96,6 +99,8 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
         fields["instruct"] = data.get("instructions")
         if not fields["instruct"]:
             raise ApiError(400, "VoiceDesign describes the voice in 'instructions'.", "instructions")
+    elif data.get("voice_prompt") is not None:
+        fields["voice_prompt"] = _saved_voice(data)
     else:
         reference = _reference_file(data.get("ref_audio"))
         fields.update(ref_audio=str(reference), ref_text=data.get("ref_text"), x_vector_only=bool(data.get("x_vector_only_mode", False)))
@@ -125,17 +130,36 @@ def _model(data: dict, service: ModelService) -> tuple[str, str]:
 
 def _reference_file(encoded) -> Path:
     if not isinstance(encoded, str) or not encoded:
-        raise ApiError(400, "Base (voice clone) needs 'ref_audio': a recording as base64 (a data: URL or plain base64).", "ref_audio")
-    payload = encoded.split(",", 1)[1] if encoded.startswith("data:") else encoded
-    try:
-        audio = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, "'ref_audio' is not valid base64.", "ref_audio") from None
-    if not audio:
-        raise ApiError(400, "'ref_audio' is empty.", "ref_audio")
+        raise ApiError(400, "Base (voice clone) needs 'ref_audio': a recording as base64 (a data: URL or plain base64), or 'voice_prompt': a saved voice.",
+                       "ref_audio")
+    audio = _base64(encoded, "ref_audio")
     with tempfile.NamedTemporaryFile(prefix="ref-", suffix=".audio", delete=False) as f:
         f.write(audio)
     return Path(f.name)
+
+
+def _saved_voice(data: dict) -> bytes:
+    """A voice file (Export voice, synth --save-voice-prompt) as base64: its bytes, read by the pipeline, never a path."""
+    # The file holds the transcript and mode it was made with: other ones in the body would be ignored, so they are refused.
+    if data.get("ref_audio") is not None:
+        raise ApiError(400, "Give either 'ref_audio' (a recording) or 'voice_prompt' (a saved voice), not both.", "voice_prompt")
+    if data.get("ref_text") or data.get("x_vector_only_mode"):
+        raise ApiError(400, "A saved voice brings its own transcript and mode: leave 'ref_text' and 'x_vector_only_mode' out with 'voice_prompt'.",
+                       "voice_prompt")
+    if not isinstance(data["voice_prompt"], str):
+        raise ApiError(400, "'voice_prompt' is a voice file as base64 (a data: URL or plain base64).", "voice_prompt")
+    return _base64(data["voice_prompt"], "voice_prompt")
+
+
+def _base64(encoded: str, field: str) -> bytes:
+    payload = encoded.split(",", 1)[1] if encoded.startswith("data:") else encoded
+    try:
+        content = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"'{field}' is not valid base64.", field) from None
+    if not content:
+        raise ApiError(400, f"'{field}' is empty.", field)
+    return content
 
 
 def _respond(call: SpeechCall, service: ModelService, done: Callable[[], None]) -> Response:
