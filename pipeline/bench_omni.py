@@ -76,7 +76,7 @@ SPEECH_S = 0.08
 
 
 @torch.no_grad()
-def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, seed: int = 0) -> OmniChat:
+def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, compiled: bool, seed: int = 0) -> OmniChat:
     """The real-size Qwen3-Omni with seeded random weights, in GPU memory."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
@@ -110,7 +110,7 @@ def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, seed
     tokenizer = AutoTokenizer.from_pretrained(str(workdir))
     features = WhisperFeatureExtractor(**{k: v for k, v in OMNI_FEATURE_EXTRACTOR.items() if k != "feature_extractor_type"})
     return OmniChat(thinker, tokenizer, features, talker.eval(), code2wav.eval(), PromptIds.from_config(ids), {}, "random Qwen3-Omni-30B-A3B",
-                    rows=rows, vocoder_lanes=3)
+                    rows=rows, vocoder_lanes=3, compiled=compiled)
 
 
 def spoken_message(seconds: float, seed: int = 0) -> np.ndarray:
@@ -191,7 +191,8 @@ def write_trace(chat: OmniChat, request: ChatRequest, path: Path) -> None:
 
 def markdown(report: dict) -> str:
     lines = [f"### Omni chat, random Qwen3-Omni-30B-A3B weights ({report['gpu']}, torch {report['torch']}, transformers {report['transformers']}, "
-             f"{report['date']})", "", f"Command: `{report['command']}`; {report['rows']} talker rows, bf16 thinker and talker, fp32 code2wav; "
+             f"{report['date']})", "", f"Command: `{report['command']}`; {report['rows']} talker rows, bf16 thinker and talker, fp32 code2wav, "
+             f"talker step {'compiled' if report['compiled'] else 'a plain CUDA graph'}, thinker step a CUDA graph; "
              f"median of {report['repeats']} replies of {report['tokens']} tokens / {report['frames']} frames.", "",
              "| message | first text token (ms) | first audio (ms) | talker frame (ms) | thinker token (ms) | p95 chunk gap (ms) | stalls |",
              "|---|---|---|---|---|---|---|"]
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=60, help="speech frames per reply (60 = 4.8 s)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--together", type=int, default=4)
-    parser.add_argument("--experts", default="grouped_mm", help="transformers' MoE implementation for the thinker")
+    parser.add_argument("--experts", default="grouped_mm", help="transformers' MoE implementation for the thinker (default grouped_mm)")
+    parser.add_argument("--no-compile", action="store_true", help="the talker's decode step as a plain CUDA graph, not torch.compile'd (as the app's --no-compile)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--trace", type=Path, default=None, help="also write a torch.profiler trace (.json.gz) of one reply here")
     args = parser.parse_args(argv)
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        chat = random_omni(Path(tmp), torch.bfloat16, args.rows, args.experts)
+        chat = random_omni(Path(tmp), torch.bfloat16, args.rows, args.experts, compiled=not args.no_compile)
         print(f"built in {time.perf_counter() - t0:.0f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
         audio = spoken_message(5.0)
         requests = {
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
             "date": datetime.date.today().isoformat(), "command": "python -m pipeline.bench_omni " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "rows": args.rows, "tokens": args.tokens, "frames": args.frames, "repeats": args.repeats, "experts": args.experts,
+            "rows": args.rows, "compiled": not args.no_compile, "tokens": args.tokens, "frames": args.frames, "repeats": args.repeats, "experts": args.experts,
             "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
             "single": {name: median_run(chat, make, args.repeats) for name, make in requests.items()},
         }

@@ -215,7 +215,8 @@ class ModelService:
         log.info("loading %s checkpoint %s on %s (%s)", model_type, source, self.device, self.dtype)
         if model_type == OMNI:
             try:
-                return OmniChat.from_pretrained(source, device=self.device, dtype=self.dtype, vocoder_lanes=3 if self.device.startswith("cuda") else 1)
+                return OmniChat.from_pretrained(source, device=self.device, dtype=self.dtype, rows=self.rows, compiled=self.compiled,
+                                                vocoder_lanes=3 if self.device.startswith("cuda") else 1)
             except CheckpointError as exc:
                 self._fall_back(model_type, source, str(exc))
                 return self._tiny(model_type)
