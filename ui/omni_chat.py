@@ -7,7 +7,7 @@ import time
 
 import gradio as gr
 
-from pipeline.service import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, ModelService, TextDelta, Turn
+from pipeline.service import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, TextDelta, Turn
 from ui import controls
 from ui.latency import LatencyPanel
 
@@ -47,7 +47,7 @@ def turn_stats(end: ChatEnd, audio_seconds: float, wall_s: float) -> str:
             f"{len(end.tokens)} tokens, {end.frames} frames ({audio_seconds:.1f} s){state}")
 
 
-def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
+def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
     with gr.Tab("Omni chat", id=NAME) as tab:
         gr.Markdown("Talk with **Qwen3-Omni**: type or speak; the reply streams as text and as speech. "
                     "Sending a new message or pressing Stop while it speaks cuts it off.")

@@ -8,7 +8,7 @@ from pathlib import Path
 import gradio as gr
 
 from pipeline.errors import TTSInputError
-from pipeline.service import ModelService, SpeechRequest
+from pipeline.service import SpeechRequest
 from ui import controls
 from ui.latency import LatencyPanel
 
@@ -28,7 +28,7 @@ def sample_voices() -> list[list[str]]:
     return [[str(VOICES / v["file"]), v["transcript"]] for v in voices]
 
 
-def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
+def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
     with gr.Tab("Voice clone", id=NAME) as tab:
         gr.Markdown("Upload or record 3-20 s of a voice, give its transcript (or use x-vector only), and type what it should say.")
         with gr.Row():
@@ -75,7 +75,7 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
             return f"**Cannot use this reference:** {exc}"
         if not ready:
             return "Add the transcript of the reference (or tick x-vector only) to prepare this voice."
-        return f"Voice ready ({(time.perf_counter() - start) * 1000:.0f} ms): computed once, reused by every generation."
+        return f"Voice ready ({(time.perf_counter() - start) * 1000:.0f} ms): prepared once, reused by every generation."
 
     # The voice prompt is computed as soon as the reference is complete, not at the first Generate.
     voice_inputs = [checkpoint, ref_audio, ref_text, x_vector_only]
