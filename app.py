@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sessions", default="listening", help="folder of the listening sessions: their files, clips and votes (SQLite)")
     parser.add_argument("--api-key", default=os.environ.get("QWEN_TTS_API_KEY"),
-                        help="key of the speech API (/v1/...), sent as 'Authorization: Bearer KEY' (env QWEN_TTS_API_KEY); "
+                        help="key of the HTTP API (/v1/...: speech and Omni chat), sent as 'Authorization: Bearer KEY' (env QWEN_TTS_API_KEY); "
                         "without one the API answers only when the server listens on localhost")
     parser.add_argument("--backend", default=None, metavar="URL",
                         help="generate on the server at URL instead of in this process: another instance of this app, or vLLM-Omni "

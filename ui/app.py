@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from pipeline.server import Access, speech_routes
+from pipeline.server import Access, chat_routes, speech_routes
 from pipeline.service import MAX_UPLOAD_BYTES, ModelService
 import tempfile
 
@@ -48,12 +48,14 @@ def build_demo(service: controls.Service, sessions: Sessions | None = None) -> g
 
 def launch_options(service: ModelService | None = None, access: Access | None = None) -> dict:
     """What `Blocks.launch` needs besides host and port: the player script, styling, upload limit,
-    and the routes beside Gradio's (the PCM stream; the speech API when `service`, local models, is given)."""
+    and the routes beside Gradio's (the PCM stream; the speech and chat API when `service`, local models, is given)."""
+    access = access or Access()  # one for both: a client's requests in flight are counted over all routes
+    api = [*speech_routes(service, access), *chat_routes(service, access)] if service is not None else []
     return {
         "head": player_head(),
         "css": CSS,
         "theme": gr.themes.Soft(),
         "max_file_size": MAX_UPLOAD_BYTES,
         "show_error": True,
-        "app_kwargs": {"routes": [CHANNELS.route(), *(speech_routes(service, access) if service is not None else [])]},
+        "app_kwargs": {"routes": [CHANNELS.route(), *api]},
     }

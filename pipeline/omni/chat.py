@@ -68,6 +68,11 @@ class ChatRequest:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_frames: int | None = None  # speech frames (80 ms); None: as many as the reply needs
     schedule: tuple[int, ...] = DEFAULT_SCHEDULE
+    # The thinker's sampling (None: generation_config.json's); temperature 0 means greedy. The talker keeps its own.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0: no top-k cut
+    speak: bool = True  # False: text only, the talker is not started
 
 
 @dataclass
@@ -112,6 +117,7 @@ class _Prepared:
     max_frames: int
     max_new_tokens: int
     schedule: tuple[int, ...]
+    speak: bool
     warnings: list[str]
 
 
@@ -174,6 +180,7 @@ class OmniChat:
         schedule = tuple(int(n) for n in request.schedule)
         if not schedule or min(schedule) < 1:
             raise TTSInputError(f"A chunk schedule is a list of positive frame counts, not {list(request.schedule)}.")
+        thinker_sampling = self._thinker_sampling(request)
         inputs = build_inputs(self.tokenizer, self.feature_extractor, [_with_audio_loaded(t) for t in request.turns], request.system, MAX_PROMPT)
         warnings = []
         if inputs.dropped_turns:
@@ -183,8 +190,21 @@ class OmniChat:
         max_frames = min(request.max_frames or 2 * request.max_new_tokens + SPEECH_TAIL_FRAMES, room)
         seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**31))
         sampling = TALKER_SAMPLING.greedy() if request.greedy else TALKER_SAMPLING
-        thinker_sampling = dataclasses.replace(self.thinker_sampling, do_sample=False) if request.greedy else self.thinker_sampling
-        return _Prepared(inputs, speaker, sampling, thinker_sampling, seed, max_frames, request.max_new_tokens, schedule, warnings)
+        return _Prepared(inputs, speaker, sampling, thinker_sampling, seed, max_frames, request.max_new_tokens, schedule, request.speak, warnings)
+
+    def _thinker_sampling(self, request: ChatRequest) -> ThinkerSampling:
+        """The checkpoint's thinker sampling with the request's overrides; greedy, or temperature 0, is argmax."""
+        if request.temperature is not None and request.temperature < 0:
+            raise TTSInputError(f"temperature must be at least 0 (0: always the most likely token), not {request.temperature}.")
+        if request.top_p is not None and not 0 < request.top_p <= 1:
+            raise TTSInputError(f"top_p must be more than 0 and at most 1, not {request.top_p}.")
+        if request.top_k is not None and request.top_k < 0:
+            raise TTSInputError(f"top_k must be at least 0 (0: no top-k cut), not {request.top_k}.")
+        overrides = {name: value for name in ("temperature", "top_p", "top_k") if (value := getattr(request, name)) is not None}
+        if request.greedy or overrides.get("temperature") == 0:
+            overrides.pop("temperature", None)  # the sampler divides by it even for rows that take the argmax
+            overrides["do_sample"] = False
+        return dataclasses.replace(self.thinker_sampling, **overrides)
 
     def stream(self, request: ChatRequest) -> "ChatStream":
         """The reply as it is made (see ChatStream). Bad input raises TTSInputError here, before any work."""
@@ -281,7 +301,7 @@ class _Turn:
         thinker, talker = chat.thinker, chat.talker
         # The talker's prompt but its last position is known once the thinker's layer accept_hidden_layer
         # is done: its prefill runs on the engine while the thinker's upper layers still run.
-        prefilled = thinker.prefill(prepared.inputs, prepared.thinker_sampling, prepared.seed, self._start_speech)
+        prefilled = thinker.prefill(prepared.inputs, prepared.thinker_sampling, prepared.seed, self._start_speech if prepared.speak else None)
         state = prefilled.state
         token = thinker.pick(state, prefilled.logits)
         self.first_text_ms = self._elapsed()
@@ -291,9 +311,10 @@ class _Turn:
                 self.warnings.append("The model ended its reply before writing anything.")
             self.close()  # the talker's row, still waiting for its last prompt position, is let go
             return
-        with torch.inference_mode():
-            first = thinker.embed(torch.tensor([token])).to(talker.codec_head.weight.dtype)
-            self.handle.finish_prompt(assistant_first(talker, first, chat.ids)[None])
+        if prepared.speak:
+            with torch.inference_mode():
+                first = thinker.embed(torch.tensor([token])).to(talker.codec_head.weight.dtype)
+                self.handle.finish_prompt(assistant_first(talker, first, chat.ids)[None])
         thinker_start, steps = time.perf_counter(), 0
         for _ in range(prepared.max_new_tokens - 1):
             if self.stop.is_set():

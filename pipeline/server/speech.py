@@ -5,7 +5,7 @@ same model service and engine queue as the UI. Errors are JSON in OpenAI's shape
 a reference recording comes as base64 in the body and is written to a file the server names (no
 request field is a path).
 
-Access (`Access`): with a key, every call needs it as a bearer token; a server listening beyond
+Access (`common.Access`): with a key, every call needs it as a bearer token; a server listening beyond
 localhost without a key keeps the API off; a client has at most a few requests in flight.
 
 Streaming (`"stream": true`, or vllm-omni's `"stream_format": "audio"`) sends the audio as it is made:
@@ -16,18 +16,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
-import io
-import json
 import struct
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import anyio
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -37,9 +32,9 @@ from starlette.routing import Route
 from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.request import SpeechRequest
-from pipeline.service import MAX_UPLOAD_BYTES, TINY, ModelService, StreamEnd, StreamStart
+from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, pcm16, serve, until_gone
+from pipeline.service import TINY, ModelService, StreamEnd, StreamStart
 
-SAMPLE_RATE = 24000
 MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
 STREAMED_FORMATS = ("pcm", "wav")
 TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
@@ -51,16 +46,6 @@ PASSED_FIELDS = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", 
                  "schedule")
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}, status_code=self.status)
-
-
 @dataclass
 class SpeechCall:
     request: SpeechRequest
@@ -69,62 +54,11 @@ class SpeechCall:
     reference: Path | None = None  # a decoded reference recording, removed after the call
 
 
-@dataclass
-class Access:
-    """Who may call the API: `key` required as `Authorization: Bearer KEY` when set; `public`: the
-    server listens beyond localhost (then the API is off without a key); at most `per_client`
-    requests in flight per client address."""
-
-    key: str | None = None
-    public: bool = False
-    per_client: int = 4
-
-    def __post_init__(self) -> None:
-        self.in_flight: dict[str, int] = {}
-        self.lock = threading.Lock()
-
-    def check(self, request: Request) -> None:
-        if self.key is None:
-            if self.public:
-                raise ApiError(403, "The speech API is off: this server listens beyond localhost and was started without --api-key.")
-            return
-        sent = request.headers.get("authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {self.key}".encode()):
-            raise ApiError(401, "Missing or wrong API key: send the header 'Authorization: Bearer KEY'.")
-
-    def enter(self, client: str) -> None:
-        with self.lock:
-            if self.in_flight.get(client, 0) >= self.per_client:
-                raise ApiError(429, f"{self.per_client} requests of this client are already running; wait for one to end.")
-            self.in_flight[client] = self.in_flight.get(client, 0) + 1
-
-    def leave(self, client: str) -> None:
-        with self.lock:
-            self.in_flight[client] -= 1
-
-
 def speech_routes(service: ModelService, access: Access | None = None) -> list[Route]:
     access = access or Access()
 
     async def speech(request: Request) -> Response:
-        client = request.client.host if request.client else "?"
-        try:
-            access.check(request)
-            call = parse_speech(await _json_body(request), service)
-            access.enter(client)
-        except ApiError as exc:
-            return exc.response()
-        streaming = False
-        try:
-            response = _respond(call, service, lambda: access.leave(client))
-            streaming = call.stream
-            return response
-        except ApiError as exc:
-            _remove(call.reference)
-            return exc.response()
-        finally:
-            if not streaming:  # a stream leaves when its last byte is sent or its client goes away
-                access.leave(client)
+        return await serve(request, access, lambda data: parse_speech(data, service), lambda call, done: _respond(call, service, done))
 
     async def models(request: Request) -> Response:
         try:
@@ -161,19 +95,6 @@ def model_entry(service: ModelService, kind: str, checkpoint: str) -> dict:
         info = service.info(kind, checkpoint)
         entry.update(voices=info.speakers, languages=info.languages, supports_instruct=info.supports_instruct)
     return entry
-
-
-async def _json_body(request: Request) -> dict:
-    body = await request.body()
-    if len(body) > MAX_UPLOAD_BYTES:
-        raise ApiError(413, f"The request is {len(body) / 2**20:.0f} MB; the limit is {MAX_UPLOAD_BYTES // 2**20} MB.")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "The request body is not JSON.") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "The request body is a JSON object.")
-    return data
 
 
 def parse_speech(data: dict, service: ModelService) -> SpeechCall:
@@ -271,15 +192,15 @@ def _respond(call: SpeechCall, service: ModelService, done: Callable[[], None]) 
     stream = service.stream(call.request, key)
     try:
         start = next(stream)  # validation against the checkpoint (speaker, language, reference audio)
-    except TTSInputError as exc:
+    except Exception as exc:
         stream.close()
-        raise ApiError(400, str(exc)) from None
-    except Exception:
-        stream.close()
+        _remove(call.reference)
+        if isinstance(exc, TTSInputError):
+            raise ApiError(400, str(exc)) from None
         raise
     headers = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Random-Weights": str(start.random_weights).lower()}
     if call.stream:
-        return StreamingResponse(_until_gone(_streamed(stream, call), service, key, done), media_type=MEDIA_TYPES[call.response_format],
+        return StreamingResponse(until_gone(_streamed(stream, call), service, key, done), media_type=MEDIA_TYPES[call.response_format],
                                  headers=headers)
     try:
         audio = np.concatenate([item.audio for item in stream if isinstance(item, Chunk)] or [np.zeros(0, np.float32)])
@@ -302,38 +223,11 @@ def _streamed(stream: Iterator[StreamStart | Chunk | StreamEnd], call: SpeechCal
         _remove(call.reference)
 
 
-async def _until_gone(chunks: Iterator[bytes], service: ModelService, key: str, done: Callable[[], None]):
-    """The chunks, each made on a worker thread; when the client disconnects (the response is
-    cancelled), the stream is stopped, which frees its engine row within a frame."""
-    try:
-        while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
-            yield chunk
-    finally:
-        with anyio.CancelScope(shield=True):
-            await run_in_threadpool(service.stop, key)
-        done()
-
-
-def pcm16(audio: np.ndarray) -> bytes:
-    return (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
-
-
 def wav_header(data_bytes: int) -> bytes:
     """A 16-bit mono 24 kHz WAV header; 0xFFFFFFFF for a stream whose length is not known yet."""
     riff = 0xFFFFFFFF if data_bytes == 0xFFFFFFFF else 36 + data_bytes
     return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, SAMPLE_RATE * 2, 2, 16)
             + b"data" + struct.pack("<I", data_bytes))
-
-
-def encode(audio: np.ndarray, response_format: str) -> bytes:
-    if response_format == "pcm":
-        return pcm16(audio)
-    import soundfile as sf
-
-    out = io.BytesIO()
-    subtype = {"wav": "PCM_16", "flac": "PCM_16", "mp3": "MPEG_LAYER_III"}[response_format]
-    sf.write(out, audio, SAMPLE_RATE, format=response_format.upper(), subtype=subtype)
-    return out.getvalue()
 
 
 def _task_name(model_type: str) -> str:

@@ -1,0 +1,138 @@
+"""What the API routes share: who may call (`Access`), JSON errors in OpenAI's shape (`ApiError`), one
+call from body to response (`serve`), a streamed response that stops its engine row when the client
+goes away (`until_gone`), and the audio encodings."""
+from __future__ import annotations
+
+import hmac
+import io
+import json
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
+
+import anyio
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pipeline.service import MAX_UPLOAD_BYTES, ModelService
+
+SAMPLE_RATE = 24000
+Call = TypeVar("Call")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+@dataclass
+class Access:
+    """Who may call the API: `key` required as `Authorization: Bearer KEY` when set; `public`: the
+    server listens beyond localhost (then the API is off without a key); at most `per_client`
+    requests in flight per client address, over all routes."""
+
+    key: str | None = None
+    public: bool = False
+    per_client: int = 4
+
+    def __post_init__(self) -> None:
+        self.in_flight: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def check(self, request: Request) -> None:
+        if self.key is None:
+            if self.public:
+                raise ApiError(403, "The HTTP API is off: this server listens beyond localhost and was started without --api-key.")
+            return
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {self.key}".encode()):
+            raise ApiError(401, "Missing or wrong API key: send the header 'Authorization: Bearer KEY'.")
+
+    def enter(self, client: str) -> None:
+        with self.lock:
+            if self.in_flight.get(client, 0) >= self.per_client:
+                raise ApiError(429, f"{self.per_client} requests of this client are already running; wait for one to end.")
+            self.in_flight[client] = self.in_flight.get(client, 0) + 1
+
+    def leave(self, client: str) -> None:
+        with self.lock:
+            self.in_flight[client] -= 1
+
+
+async def serve(request: Request, access: Access, parse: Callable[[dict], Call],
+                respond: Callable[[Call, Callable[[], None]], Response]) -> Response:
+    """One API call: access, the body checked by `parse` before any work, a place among the client's
+    requests in flight, then `respond(call, leave)`. Both run on a worker thread (decoding audio and
+    generating would block the server's event loop, the UI's included). ApiErrors become JSON errors.
+    A streamed response gives its place back when its last byte is sent or its client goes away
+    (through `leave`); any other response here."""
+    client = request.client.host if request.client else "?"
+    try:
+        access.check(request)
+        call = await run_in_threadpool(parse, await json_body(request))
+        access.enter(client)
+    except ApiError as exc:
+        return exc.response()
+    streaming = False
+    try:
+        response = await run_in_threadpool(respond, call, partial(access.leave, client))
+        streaming = isinstance(response, StreamingResponse)
+        return response
+    except ApiError as exc:
+        return exc.response()
+    finally:
+        if not streaming:
+            access.leave(client)
+
+
+async def json_body(request: Request) -> dict:
+    body = await request.body()
+    if len(body) > MAX_UPLOAD_BYTES:
+        raise ApiError(413, f"The request is {len(body) / 2**20:.0f} MB; the limit is {MAX_UPLOAD_BYTES // 2**20} MB.")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "The request body is not JSON.") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "The request body is a JSON object.")
+    return data
+
+
+async def until_gone(chunks: Iterator[bytes], service: ModelService, key: str, done: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The chunks, each made on a worker thread; when the client disconnects (the response is
+    cancelled), the stream under `key` is stopped, which frees its engine row within a frame."""
+    try:
+        while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
+            yield chunk
+    finally:
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(service.stop, key)
+        done()
+
+
+def pcm16(audio: np.ndarray) -> bytes:
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+def encode(audio: np.ndarray, audio_format: str) -> bytes:
+    """24 kHz mono audio as one file: pcm (raw 16-bit), wav, flac or mp3."""
+    if audio_format == "pcm":
+        return pcm16(audio)
+    import soundfile as sf
+
+    out = io.BytesIO()
+    subtype = {"wav": "PCM_16", "flac": "PCM_16", "mp3": "MPEG_LAYER_III"}[audio_format]
+    sf.write(out, audio, SAMPLE_RATE, format=audio_format.upper(), subtype=subtype)
+    return out.getvalue()
