@@ -33,7 +33,7 @@ def int16(audio: np.ndarray) -> np.ndarray:
 def test_models_lists_what_is_served(api):
     client, _ = api
     data = client.get("/v1/models").json()["data"]
-    assert {(m["id"], m["task_type"]) for m in data} == {(TINY, "Base"), (TINY, "CustomVoice"), (TINY, "VoiceDesign")}
+    assert {(m["id"], m["task_type"]) for m in data} == {(TINY, "Base"), (TINY, "CustomVoice"), (TINY, "VoiceDesign"), (TINY, "Omni")}
 
 
 def test_models_describe_a_loaded_checkpoint_and_one_is_loaded_on_request(tiny_checkpoints):
@@ -51,8 +51,10 @@ def test_models_describe_a_loaded_checkpoint_and_one_is_loaded_on_request(tiny_c
     listed = {m["task_type"]: m for m in client.get("/v1/models").json()["data"]}
     assert listed["CustomVoice"]["voices"] == info.speakers and not listed["VoiceDesign"]["loaded"]
     ambiguous = client.get("/v1/models/tiny")
-    assert ambiguous.status_code == 400 and "serves Base, CustomVoice, VoiceDesign: add ?task_type=" in ambiguous.json()["error"]["message"]
+    assert ambiguous.status_code == 400 and "serves Base, CustomVoice, VoiceDesign, Omni: add ?task_type=" in ambiguous.json()["error"]["message"]
     assert client.get("/v1/models/Qwen%2Funknown").status_code == 404
+    omni = client.get("/v1/models/tiny", params={"task_type": "Omni"}).json()  # Qwen3-Omni, served by /v1/chat/completions
+    assert omni["voices"] == service.info("omni", TINY).speakers and omni["languages"] == [] and not omni["supports_instruct"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

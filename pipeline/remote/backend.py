@@ -22,7 +22,8 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0
 LOAD_TIMEOUT_S = 1800.0  # a first use that downloads and loads a checkpoint on the backend
 KEY_HINT = "give the backend's key with --backend-key (or QWEN_TTS_BACKEND_KEY)"
-TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
+TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base", "Omni": "omni"}  # as this app lists them
+TASK_NAMES = {kind: name for name, kind in TASK_TYPES.items()}
 # vLLM-Omni names a Qwen3-TTS checkpoint's task at the end of its name (as its own adapter reads it).
 VARIANT = re.compile(r"(custom[-_.]?voice|voice[-_.]?design|base)$")
 

@@ -9,15 +9,22 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import quote
+
+import httpx
 
 from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
-from pipeline.remote.backend import LOAD_TIMEOUT_S, Backend
-from pipeline.remote.speech import TASK_NAMES, Connection, data_url, pcm_chunks, speech_body, unsent_settings
+from pipeline.model import MODEL_TYPES
+from pipeline.remote.backend import LOAD_TIMEOUT_S, TASK_NAMES, Backend
+from pipeline.remote.chat import QWEN3_OMNI_VOICES, chat_body, reply_items
+from pipeline.remote.speech import Connection, data_url, pcm_chunks, speech_body, unsent_settings
 from pipeline.request import SpeechRequest
-from pipeline.service import TAB_TYPES, ModelInfo, Running, StreamEnd, StreamStart, check_reference_upload, content_hash
+from pipeline.service import (OMNI, TAB_TYPES, ChatEnd, ChatRequest, ModelInfo, Running, StreamEnd, StreamStart, TextDelta, check_reference_upload,
+                              content_hash)
 
 REFERENCES_KEPT = 8  # encoded reference recordings (a few MB each)
 
@@ -77,6 +84,8 @@ class RemoteService:
         if self.ours:  # loads the checkpoint on first use, as a local tab would
             entry = self.backend.get_json(f"/v1/models/{quote(source, safe='')}", {"task_type": TASK_NAMES[model_type]}, LOAD_TIMEOUT_S)
             return ModelInfo(source, model_type, entry["voices"], entry["languages"], entry["supports_instruct"], entry["random_weights"])
+        if model_type == OMNI:
+            return ModelInfo(source, model_type, QWEN3_OMNI_VOICES, [], False, False)
         # vLLM-Omni reports the preset speakers, not the languages (its error for a wrong one lists them);
         # whether a checkpoint follows instructions is read from its official name (0.6B CustomVoice: no).
         speakers = self._vllm_voices() if model_type == "custom_voice" else []
@@ -93,7 +102,7 @@ class RemoteService:
             served = ", ".join(self.choices.get(model_type, ())) or "none"
             raise TTSInputError(f"'{checkpoint}' is not one of the {model_type} models of the backend at {self.url} ({served}).")
 
-    def model(self, model_type: str, checkpoint: str | None = None):
+    def model(self, model_type: str, checkpoint: str | None = None) -> NoReturn:
         """Local models only: what renders listening clips. Over a backend there is none to hand out."""
         raise TTSInputError(f"Rendering clips needs the models on this machine; this app runs against the backend at {self.url}. "
                             "Render the session with a local `python app.py`, or use systems that are folders of recordings.")
@@ -130,8 +139,8 @@ class RemoteService:
         own message), then a StreamStart, the Chunks as they arrive, a StreamEnd. `stop(key)` closes
         the connection, which makes the backend free the request's row."""
         request.validate()
-        if request.model_type not in TASK_NAMES:
-            raise TTSInputError(f"Unknown model type {request.model_type!r}: use one of {', '.join(TASK_NAMES)}.")
+        if request.model_type not in MODEL_TYPES:
+            raise TTSInputError(f"Unknown model type {request.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
         if request.greedy:
             raise TTSInputError("Greedy decoding is not offered over the HTTP API: give a seed for a repeatable take.")
         checkpoint = request.checkpoint or self.default_checkpoint(request.model_type)
@@ -139,18 +148,43 @@ class RemoteService:
         reference = self._reference(request.ref_audio) if request.model_type == "base" else None
         warnings = self._unsent_warnings(request)
         body = speech_body(request, checkpoint, self.ours, reference)
+        with self._call("/v1/audio/speech", body, key) as (response, connection, started):
+            yield StreamStart(checkpoint, self._random_weights(response, request.model_type, checkpoint), warnings, backend=self.url)
+            yield from pcm_chunks(response, connection, self.backend, started)
+        yield StreamEnd(connection.stopped)
+
+    def chat(self, request: ChatRequest, checkpoint: str | None = None, key: str = "") -> Iterator[StreamStart | TextDelta | Chunk | ChatEnd | StreamEnd]:
+        """As `ModelService.chat`: the reply's text and speech as they arrive, a ChatEnd, a StreamEnd; a new
+        chat under `key` (barge-in) or `stop(key)` closes this one. The chunk schedule and the length
+        of the speech are the backend's."""
+        if request.greedy:
+            raise TTSInputError("Greedy decoding is not offered over the HTTP API: give a seed for a repeatable reply.")
+        source = checkpoint or self.default_checkpoint(OMNI)
+        self._check_served(OMNI, source)
+        with self._call("/v1/chat/completions", chat_body(request, source), key) as (response, connection, started):
+            yield StreamStart(source, self._random_weights(response, OMNI, source), backend=self.url)
+            end = None
+            for item in reply_items(response, connection, self.backend, started):
+                end = item if isinstance(item, ChatEnd) else end
+                yield item
+        yield StreamEnd(end.stopped)
+
+    @contextmanager
+    def _call(self, path: str, body: dict, key: str) -> Iterator[tuple[httpx.Response, Connection, float]]:
+        """A streamed POST (its response, its connection, when it was sent), known under `key` while it
+        runs: Stop, or the key's next run, closes it."""
         connection = Connection()
         self._running.add(key, connection)
         try:
             started = time.perf_counter()
-            with self.backend.post_stream("/v1/audio/speech", body) as response:
+            with self.backend.post_stream(path, body) as response:
                 connection.attach(response)
-                random_weights = response.headers.get("x-random-weights") == "true" or self.random_weights(request.model_type, checkpoint)
-                yield StreamStart(checkpoint, random_weights, warnings, backend=self.url)
-                yield from pcm_chunks(response, connection, self.backend, started)
-            yield StreamEnd(connection.stopped)
+                yield response, connection, started
         finally:
             self._running.remove(key, connection)
+
+    def _random_weights(self, response: httpx.Response, model_type: str, checkpoint: str) -> bool:
+        return response.headers.get("x-random-weights") == "true" or self.random_weights(model_type, checkpoint)
 
     def _unsent_warnings(self, request: SpeechRequest) -> list[str]:
         if self.ours or not (unsent := unsent_settings(request)):

@@ -16,13 +16,12 @@ import httpx
 import numpy as np
 
 from pipeline.engine import DEFAULT_SCHEDULE, Chunk, SamplingConfig
-from pipeline.remote.backend import Backend
+from pipeline.remote.backend import TASK_NAMES, Backend
 from pipeline.request import SpeechRequest
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920  # 80 ms
 BYTES_PER_FRAME = 2 * SAMPLES_PER_FRAME  # 16-bit mono
-TASK_NAMES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
 # What the sliders set that vLLM-Omni takes from its deploy config instead of the request.
 UNSENT_TO_VLLM = ("temperature", "top_k", "top_p", "repetition_penalty")
 

@@ -33,11 +33,13 @@ from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.request import SpeechRequest
 from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, pcm16, serve, until_gone
-from pipeline.service import TINY, ModelService, StreamEnd, StreamStart
+from pipeline.service import OMNI, TINY, ModelService, StreamEnd, StreamStart
 
 MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
 STREAMED_FORMATS = ("pcm", "wav")
 TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
+# What /v1/models lists: the speech tasks, and Qwen3-Omni (served by /v1/chat/completions) under a task of its own.
+LISTED_TASKS = {**TASK_TYPES, "Omni": OMNI}
 FIELDS = {"model", "input", "voice", "response_format", "speed", "stream", "stream_format", "task_type", "language", "instructions", "ref_audio",
           "ref_text", "x_vector_only_mode", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "repetition_penalty",
           "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "schedule"}
@@ -65,7 +67,7 @@ def speech_routes(service: ModelService, access: Access | None = None) -> list[R
             access.check(request)
         except ApiError as exc:
             return exc.response()
-        data = [model_entry(service, kind, checkpoint) for kind, checkpoints in service.choices.items() if kind in TASK_TYPES.values()
+        data = [model_entry(service, kind, checkpoint) for kind, checkpoints in service.choices.items() if kind in LISTED_TASKS.values()
                 for checkpoint in checkpoints]
         return JSONResponse({"object": "list", "data": data})
 
@@ -86,9 +88,9 @@ def speech_routes(service: ModelService, access: Access | None = None) -> list[R
 
 
 def model_entry(service: ModelService, kind: str, checkpoint: str) -> dict:
-    """A checkpoint as /v1/models lists it: OpenAI's fields, vllm-omni's `task_type`, and ours; a loaded
-    one also names its `voices` (vllm-omni's word for the CustomVoice speakers), languages and whether
-    it follows instructions (nothing is loaded to list a checkpoint)."""
+    """A checkpoint as /v1/models lists it: OpenAI's fields, vllm-omni's `task_type` (here also "Omni"),
+    and ours; a loaded one also names its `voices` (vllm-omni's word for the speakers), languages and
+    whether it follows instructions (nothing is loaded to list a checkpoint)."""
     entry = {"id": checkpoint, "object": "model", "owned_by": "local", "task_type": _task_name(kind), "loaded": service.is_loaded(kind, checkpoint),
              "random_weights": service.random_weights(kind, checkpoint)}
     if entry["loaded"]:
@@ -144,12 +146,12 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
 
 
 def _served(model: str, task: str | None, service: ModelService) -> tuple[str, str]:
-    """(model type, checkpoint) of a served checkpoint named by id (and task, where an id serves several)."""
-    if task is not None and task not in TASK_TYPES:
-        raise ApiError(400, f"'task_type' is one of {', '.join(TASK_TYPES)}, not '{task}'.", "task_type")
-    kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in TASK_TYPES.values()]
+    """(model type, checkpoint) of a listed checkpoint named by id (and task, where an id serves several)."""
+    if task is not None and task not in LISTED_TASKS:
+        raise ApiError(400, f"'task_type' is one of {', '.join(LISTED_TASKS)}, not '{task}'.", "task_type")
+    kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in LISTED_TASKS.values()]
     if task is not None:
-        kinds = [kind for kind in kinds if kind == TASK_TYPES[task]]
+        kinds = [kind for kind in kinds if kind == LISTED_TASKS[task]]
     if not kinds:
         raise ApiError(404, f"Model '{model}' is not served here{f' for {task}' if task else ''} (GET /v1/models lists them).", "model")
     if len(kinds) > 1:
@@ -231,7 +233,7 @@ def wav_header(data_bytes: int) -> bytes:
 
 
 def _task_name(model_type: str) -> str:
-    return next(name for name, kind in TASK_TYPES.items() if kind == model_type)
+    return next(name for name, kind in LISTED_TASKS.items() if kind == model_type)
 
 
 def _remove(path: Path | None) -> None:
