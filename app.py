@@ -5,13 +5,16 @@ import argparse
 import logging
 import os
 
+from pipeline.errors import TTSInputError
 from pipeline.listening import Sessions
+from pipeline.remote import RemoteService
 from pipeline.server import Access
 from pipeline.service import ModelService, parse_models
 from ui.app import build_demo, launch_options
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOCAL_MODEL_FLAGS = ("device", "dtype", "models", "tiny", "rows", "no_compile")  # what --backend replaces
 
 
 def default_device() -> str:
@@ -48,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("QWEN_TTS_API_KEY"),
                         help="key of the HTTP API (/v1/...: speech and Omni chat), sent as 'Authorization: Bearer KEY' (env QWEN_TTS_API_KEY); "
                         "without one the API answers only when the server listens on localhost")
+    parser.add_argument("--backend", default=None, metavar="URL",
+                        help="generate on the server at URL instead of in this process: another instance of this app, or vLLM-Omni "
+                        "(vllm serve ... --omni); the tabs are those of the models it serves (default: none, the models run here)")
+    parser.add_argument("--backend-key", default=os.environ.get("QWEN_TTS_BACKEND_KEY"),
+                        help="API key of the --backend server, sent as 'Authorization: Bearer KEY' (env QWEN_TTS_BACKEND_KEY; default: none)")
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link")
     parser.add_argument(
         "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step (faster start, ~2.5x slower frames)"
@@ -55,10 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def local_service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelService:
     try:
         choices = parse_models(args.models)
     except ValueError as exc:
@@ -71,10 +76,32 @@ def main(argv: list[str] | None = None) -> None:
     service.probe()
     if on_zero_gpu():
         service.preload()
+    return service
+
+
+def remote_service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RemoteService:
+    """The backend's service; a backend that cannot be reached, refuses the key or serves nothing usable
+    stops the app with exit code 2 and the reason: its tabs are made from what the backend serves."""
+    local = [f"--{name.replace('_', '-')}" for name in LOCAL_MODEL_FLAGS if getattr(args, name) != parser.get_default(name)]
+    if local:
+        parser.error(f"{', '.join(local)} configure models in this process; with --backend the backend's models serve.")
+    try:
+        return RemoteService(args.backend, args.backend_key)
+    except TTSInputError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service = remote_service(args, parser) if args.backend else local_service(args, parser)
     demo = build_demo(service, Sessions(args.sessions, service.model))
     demo.queue(default_concurrency_limit=None)
     access = Access(key=args.api_key, public=args.share or args.host not in LOCAL_HOSTS)
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_options(service, access))
+    # Over a backend the speech API is the backend's: this server serves the UI only.
+    api = service if isinstance(service, ModelService) else None
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_options(api, access))
 
 
 if __name__ == "__main__":

@@ -8,3 +8,8 @@ class CheckpointError(RuntimeError):
 
 class EngineBusy(RuntimeError):
     """The engine's queue is full; the message says how many requests are ahead."""
+
+
+class BackendUnavailable(TTSInputError):
+    """A remote backend that cannot be reached or stopped answering; a TTSInputError so that every front
+    end shows its sentence the way it shows a bad input's."""

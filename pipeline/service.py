@@ -17,10 +17,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
-from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Handle, Queued, SamplingConfig
+from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Queued, SamplingConfig
 from pipeline.omni import HUB_ID as OMNI_HUB_ID
-from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, ChatStream, OmniChat, TextDelta, Turn
+from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, OmniChat, TextDelta, Turn
 from pipeline.errors import CheckpointError, EngineBusy, TTSInputError
 from pipeline.model import MODEL_TYPES
 from pipeline import voice_file
@@ -117,6 +118,7 @@ class StreamStart:
     checkpoint: str
     random_weights: bool
     warnings: list[str] = field(default_factory=list)
+    backend: str | None = None  # the URL of the remote backend that generates it; None: this process
 
 
 @dataclass
@@ -152,7 +154,7 @@ class ModelService:
         self.fallbacks: dict[str, Fallback] = {}
         self._voice_prompts: OrderedDict[tuple, VoicePrompt] = OrderedDict()
         self._exports = Path(tempfile.mkdtemp(prefix="qwen3-tts-voices-"))  # voice files for download
-        self._streams: dict[str, Handle | ChatStream] = {}
+        self._running = Running()
         # On ZeroGPU Spaces each stream runs in the GPU worker that `spaces.GPU` hands it to.
         self.stream = gpu(self.stream)
 
@@ -336,14 +338,14 @@ class ModelService:
             handle = tts.submit(request, voice)
         except EngineBusy as exc:
             raise TTSInputError(str(exc)) from None
-        self._register(key, handle)
+        self._running.add(key, handle)
         try:
             yield StreamStart(source, self.random_weights(request.model_type, source), list(handle.warnings))
             yield from handle.events()
             yield StreamEnd(handle.stopped, list(dict.fromkeys(handle.warnings)))
         finally:
             handle.close()
-            self._unregister(key, handle)
+            self._running.remove(key, handle)
 
     def chat(self, request: ChatRequest, checkpoint: str | None = None, key: str = "") -> Iterator[StreamStart | TextDelta | Queued | Chunk | ChatEnd | StreamEnd]:
         """Omni chat: like `stream`, with the reply's text deltas and a ChatEnd before the StreamEnd.
@@ -351,7 +353,7 @@ class ModelService:
         source = checkpoint or self.default_checkpoint(OMNI)
         model = self.model(OMNI, source)
         reply = model.stream(request)  # a full engine queue is found later, as a TTSInputError of the stream
-        self._register(key, reply)
+        self._running.add(key, reply)
         try:
             yield StreamStart(source, self.random_weights(OMNI, source), list(reply.warnings))
             end = None
@@ -361,7 +363,7 @@ class ModelService:
             yield StreamEnd(end.stopped, list(dict.fromkeys(end.warnings)))
         finally:
             reply.close()
-            self._unregister(key, reply)
+            self._running.remove(key, reply)
 
     @staticmethod
     def sampling_defaults() -> SamplingConfig:
@@ -370,24 +372,41 @@ class ModelService:
 
     def stop(self, key: str = "") -> bool:
         """Stop the stream running under `key`, if any, within one frame; True if there was one."""
+        return self._running.stop(key)
+
+
+class Stoppable(Protocol):
+    def close(self) -> None:  # thread-safe: ends the stream within a frame
+        ...
+
+
+class Running:
+    """The streams running, by key (browser session, tab and run): one per key, a new run replacing the
+    one before; an engine handle, a chat, or a remote backend's connection."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, Stoppable] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: str, handle: Stoppable) -> None:
+        with self._lock:
+            previous = self._streams.get(key)
+            self._streams[key] = handle
+        if previous is not None:
+            previous.close()
+
+    def remove(self, key: str, handle: Stoppable) -> None:
+        with self._lock:
+            if self._streams.get(key) is handle:
+                del self._streams[key]
+
+    def stop(self, key: str) -> bool:
         with self._lock:
             handle = self._streams.get(key)
         if handle is None:
             return False
         handle.close()
         return True
-
-    def _register(self, key: str, handle: Handle) -> None:
-        with self._lock:
-            previous = self._streams.get(key)
-            self._streams[key] = handle
-        if previous is not None:  # one stream per key: a new run replaces the old one
-            previous.close()
-
-    def _unregister(self, key: str, handle: Handle) -> None:
-        with self._lock:
-            if self._streams.get(key) is handle:
-                del self._streams[key]
 
 
 def check_reference_upload(path: str | Path | None) -> Path:

@@ -121,6 +121,16 @@ def loads(data: bytes, space: VoiceSpace) -> SavedVoice:
     return SavedVoice(embedding, _ref_codes(tensors.get("ref_codes"), space), _ref_text(metadata["ref_text"]))
 
 
+def describe(data: bytes) -> tuple[bool, str | None, int]:
+    """What a voice file says it holds, read without a model (x-vector only, transcript, reference
+    frames); the full check is `loads` against the checkpoint that will use it."""
+    header = _header(data)
+    metadata = _metadata(header)
+    codes = header.get("ref_codes")
+    frames = int(codes["shape"][0]) if isinstance(codes, dict) and codes.get("shape") else 0
+    return bool(metadata["x_vector_only"]), metadata["ref_text"], frames
+
+
 def _header(data: bytes) -> dict[str, Any]:
     """safetensors' JSON header (8 bytes of length, then the JSON); a file cut short is told apart
     from one that is not safetensors at all."""

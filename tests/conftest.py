@@ -1,6 +1,9 @@
 import importlib.util
 import socket
+import struct
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,3 +72,23 @@ def live_app(tiny_checkpoints, tmp_path_factory):
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options(service))
     yield f"http://127.0.0.1:{port}/", service, sessions
     demo.close()
+
+
+def read_pcm(url: str, run_id: str, out: list, opened: threading.Event) -> None:
+    """The browser's side of the audio path: frames of the run's PCM stream, as they arrive."""
+    import httpx
+
+    with httpx.stream("GET", f"{url}pcm/{run_id}", timeout=60) as response:
+        opened.set()
+        buffer = b""
+        for data in response.iter_bytes():
+            buffer += data
+            while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack("<I", buffer[:4])[0]:
+                length = struct.unpack("<I", buffer[:4])[0]
+                out.append((time.perf_counter(), buffer[4 : 4 + length]))
+                buffer = buffer[4 + length :]
+
+
+def tables(outputs: list) -> list[list]:
+    """The latency tables among a gradio_client job's outputs."""
+    return [o[1]["data"] for o in outputs if isinstance(o[1], dict) and o[1].get("data")]

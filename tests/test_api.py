@@ -40,7 +40,28 @@ REF_TEXT = "Speak slowly."
 def test_models_lists_what_is_served(api):
     client, _ = api
     data = client.get("/v1/models").json()["data"]
-    assert {(m["id"], m["task_type"]) for m in data} == {(TINY, "Base"), (TINY, "CustomVoice"), (TINY, "VoiceDesign")}
+    assert {(m["id"], m["task_type"]) for m in data} == {(TINY, "Base"), (TINY, "CustomVoice"), (TINY, "VoiceDesign"), (TINY, "Omni")}
+
+
+def test_models_describe_a_loaded_checkpoint_and_one_is_loaded_on_request(tiny_checkpoints):
+    from pathlib import Path
+
+    from pipeline.service import ModelService
+
+    service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)  # nothing loaded yet
+    client = access_client(service)
+    listed = {m["task_type"]: m for m in client.get("/v1/models").json()["data"]}
+    assert not listed["CustomVoice"]["loaded"] and listed["CustomVoice"]["random_weights"] and "voices" not in listed["CustomVoice"]
+    entry = client.get("/v1/models/tiny", params={"task_type": "CustomVoice"}).json()  # loads it, as a first request would
+    info = service.info("custom_voice", TINY)
+    assert entry["loaded"] and (entry["voices"], entry["languages"], entry["supports_instruct"]) == (info.speakers, info.languages, True)
+    listed = {m["task_type"]: m for m in client.get("/v1/models").json()["data"]}
+    assert listed["CustomVoice"]["voices"] == info.speakers and not listed["VoiceDesign"]["loaded"]
+    ambiguous = client.get("/v1/models/tiny")
+    assert ambiguous.status_code == 400 and "serves Base, CustomVoice, VoiceDesign, Omni: add ?task_type=" in ambiguous.json()["error"]["message"]
+    assert client.get("/v1/models/Qwen%2Funknown").status_code == 404
+    omni = client.get("/v1/models/tiny", params={"task_type": "Omni"}).json()  # Qwen3-Omni, served by /v1/chat/completions
+    assert omni["voices"] == service.info("omni", TINY).speakers and omni["languages"] == [] and not omni["supports_instruct"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -53,6 +74,16 @@ def test_custom_voice_as_pcm_equals_the_engine(api, stream):
     audio = np.frombuffer(response.content, dtype="<i2")
     expected = int16(expected_audio(service, "custom_voice", text=body["input"], speaker="ryan", seed=3, max_frames=12))
     assert audio.shape == expected.shape == (12 * 1920,) and np.abs(audio.astype(int) - expected).max() <= 1
+
+
+def test_vllm_omnis_stream_format_and_our_chunk_schedule(api):
+    client, service = api
+    body = {"input": "Hello there, tiny model.", "voice": "ryan", "response_format": "pcm", "stream_format": "audio", "seed": 3, "max_new_tokens": 12,
+            "schedule": [3]}
+    response = client.post("/v1/audio/speech", json=body)  # streamed although 'stream' is left out, as in vllm-omni
+    assert response.status_code == 200 and response.headers.get("transfer-encoding") == "chunked"
+    expected = int16(expected_audio(service, "custom_voice", text=body["input"], speaker="ryan", seed=3, max_frames=12))
+    assert np.abs(np.frombuffer(response.content, dtype="<i2").astype(int) - expected).max() <= 1
 
 
 def test_streamed_wav_has_an_open_length_header_then_pcm(api):
@@ -153,6 +184,8 @@ def test_bad_saved_voices_get_json_errors(api, voice_file, reference_wav):
     ({"input": "Hi.", "task_type": "Talking"}, 400, "'task_type' is one of CustomVoice, VoiceDesign, Base"),
     ({"input": "Hi.", "colour": "red"}, 400, "Unknown field 'colour'."),
     ({"input": "Hi.", "voice": "ryan", "temperature": -1}, 400, "temperature"),
+    ({"input": "Hi.", "voice": "ryan", "response_format": "pcm", "stream_format": "sse"}, 400, "'stream_format' is 'audio' here"),
+    ({"input": "Hi.", "voice": "ryan", "schedule": "1, two"}, 400, "comma-separated list of frame counts"),
 ])
 def test_bad_requests_get_json_errors(api, body, status, message):
     client, _ = api

@@ -3,7 +3,6 @@ route: every tab streams, every bad input gets its own message and the app keeps
 frees the engine's row at once, and several sessions are served at the same time; listening
 sessions take 20 voters at once and keep every acknowledged vote through a killed server."""
 import os
-import struct
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from gradio_client.exceptions import AppError
 
 from pipeline.service import TINY
 
-from conftest import voice_like
+from conftest import read_pcm, tables, voice_like
 
 SPEECH = "Hello there, this is a test of the streaming demo."
 SHORT = (0.9, 50, 1.0, 1.05, 7, "1, 2, 4, 8, 16", 2)  # sampling, seed 7, schedule, 2 s max
@@ -38,23 +37,6 @@ def client(server) -> Client:
 @pytest.fixture(scope="module")
 def speaker(server) -> str:
     return server["service"].info("custom_voice").speakers[0]
-
-
-def read_pcm(url: str, run_id: str, out: list, opened: threading.Event) -> None:
-    """The browser's side of the audio path: frames of the run's PCM stream, as they arrive."""
-    with httpx.stream("GET", f"{url}pcm/{run_id}", timeout=60) as response:
-        opened.set()
-        buffer = b""
-        for data in response.iter_bytes():
-            buffer += data
-            while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack("<I", buffer[:4])[0]:
-                length = struct.unpack("<I", buffer[:4])[0]
-                out.append((time.perf_counter(), buffer[4 : 4 + length]))
-                buffer = buffer[4 + length :]
-
-
-def tables(outputs: list) -> list[list]:
-    return [o[1]["data"] for o in outputs if isinstance(o[1], dict) and o[1].get("data")]
 
 
 @pytest.mark.parametrize("tab", ["clone", "custom", "design"])

@@ -27,14 +27,16 @@ CSS = """
 """
 
 
-def build_demo(service: ModelService, sessions: Sessions | None = None) -> gr.Blocks:
-    """The page; `sessions`: the listening sessions' folder and votes (a temporary one if None)."""
+def build_demo(service: controls.Service, sessions: Sessions | None = None) -> gr.Blocks:
+    """The page; `sessions`: the listening sessions' folder and votes (a temporary one if None). A tab
+    whose model type the service does not serve (a remote backend serves what it serves) is left out."""
     sessions = sessions or Sessions(tempfile.mkdtemp(prefix="listening-"), service.model)
+    modules = [m for m in (voice_clone, custom_voice, voice_design, omni_chat) if service.choices.get(m.MODEL_TYPE)]
     with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:
         banner = gr.Markdown(controls.banner_markdown(service), visible=bool(controls.banner_markdown(service)), elem_id="banner")
         gr.Markdown(INTRO)
         with gr.Tabs() as page_tabs:
-            tabs = [module.build(service, banner) for module in (voice_clone, custom_voice, voice_design, omni_chat)]
+            tabs = [module.build(service, banner) for module in modules]
             listen = listening.build(sessions)
         for parts in tabs:
             controls.wire_loading(parts)
@@ -46,7 +48,7 @@ def build_demo(service: ModelService, sessions: Sessions | None = None) -> gr.Bl
 
 def launch_options(service: ModelService | None = None, access: Access | None = None) -> dict:
     """What `Blocks.launch` needs besides host and port: the player script, styling, upload limit,
-    and the routes beside Gradio's (the PCM stream; the speech and chat API when `service` is given)."""
+    and the routes beside Gradio's (the PCM stream; the speech and chat API when `service`, local models, is given)."""
     access = access or Access()  # one for both: a client's requests in flight are counted over all routes
     api = [*speech_routes(service, access), *chat_routes(service, access)] if service is not None else []
     return {

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from pipeline.remote import RemoteService
 from pipeline.service import DEFAULT_SCHEDULE, TINY, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
 from ui.latency import LatencyPanel
+
+Service = ModelService | RemoteService  # models in this process, or a backend's over HTTP: the same methods
 
 DEFAULTS = ModelService.sampling_defaults()  # the reference's defaults, which the official checkpoints ship
 MAX_TEXT_LINES = 8
@@ -90,7 +93,7 @@ def checkpoint_label(name: str) -> str:
     return "built-in tiny random checkpoint" if name == TINY else name
 
 
-def checkpoint_picker(service: ModelService, model_type: str, name: str) -> gr.Dropdown:
+def checkpoint_picker(service: Service, model_type: str, name: str) -> gr.Dropdown:
     choices = service.choices[model_type]
     return gr.Dropdown(
         [(checkpoint_label(c), c) for c in choices],
@@ -108,7 +111,9 @@ def model_status(name: str) -> gr.Markdown:
 
 def status_text(info: ModelInfo) -> str:
     """One line on the loaded checkpoint, shown under the picker once the tab's model is ready."""
-    parts = [f"Ready: {checkpoint_label(info.checkpoint)}", f"{len(info.languages) - 1} languages"]
+    parts = [f"Ready: {checkpoint_label(info.checkpoint)}"]
+    if len(info.languages) > 1:  # besides "auto"; a vLLM-Omni backend does not list them
+        parts.append(f"{len(info.languages) - 1} languages")
     if info.speakers:
         parts.append(f"{len(info.speakers)} speakers")
     if info.random_weights:
@@ -135,8 +140,10 @@ def buttons(name: str) -> tuple[gr.Button, gr.Button]:
     return generate, stop
 
 
-def banner_markdown(service: ModelService) -> str:
-    """The persistent notice shown while any tab serves random weights; empty otherwise."""
+def banner_markdown(service: Service) -> str:
+    """The persistent notice shown while any tab serves random weights, or a remote backend; empty otherwise."""
+    if isinstance(service, RemoteService):
+        return remote_banner(service)
     if service.fallbacks:
         reasons = "\n".join(f"- `{f.source}`: {f.reason}" for f in service.fallbacks.values())
         return (
@@ -158,12 +165,28 @@ def banner_markdown(service: ModelService) -> str:
     return ""
 
 
-def banner_update(service: ModelService) -> dict:
+def remote_banner(service: RemoteService) -> str:
+    """Where the audio comes from, which figures of the latency panel are measured here, and what the backend does not take."""
+    text = (
+        f"### Remote backend: `{service.url}` ({service.kind})\n"
+        "The audio is generated there and streamed through this server. The latency panel measures here: TTFA is the time from "
+        "sending the request to the first audio bytes received, each chunk's time its arrival; the backend does not report its "
+        "generate and vocode times, so they show as –."
+    )
+    if not service.ours:
+        text += ("\n\nvLLM-Omni does not list its languages (type one; a wrong one is answered with the list) and takes temperature, "
+                 "top-k, top-p, repetition penalty and the chunk schedule from its deploy config, not per request.")
+    if any(service.random_weights(kind, c) for kind, choices in service.choices.items() for c in choices):
+        text += "\n\n⚠️ The backend serves tiny random checkpoints in some tabs: their audio is noise."
+    return text
+
+
+def banner_update(service: Service) -> dict:
     text = banner_markdown(service)
     return gr.update(value=text, visible=bool(text))
 
 
-def load_checkpoint(service: ModelService, model_type: str, checkpoint: str, progress: gr.Progress) -> ModelInfo:
+def load_checkpoint(service: Service, model_type: str, checkpoint: str, progress: gr.Progress) -> ModelInfo:
     """Load (first use) and describe a checkpoint; download progress shows through tqdm tracking."""
     if not service.is_loaded(model_type, checkpoint):
         progress(0, desc=f"Loading {checkpoint_label(checkpoint)} (first use of this checkpoint)…")
@@ -173,7 +196,7 @@ def load_checkpoint(service: ModelService, model_type: str, checkpoint: str, pro
         raise gr.Error(str(exc)) from None
 
 
-def model_loader(service: ModelService, model_type: str):
+def model_loader(service: Service, model_type: str):
     """The tab-load handler of tabs whose checkpoint sets only the language choices: banner, status, language."""
 
     def load(name: str, current_language: str, progress=gr.Progress(track_tqdm=True)):
@@ -184,7 +207,7 @@ def model_loader(service: ModelService, model_type: str):
 
 
 def generation(
-    service: ModelService,
+    service: Service,
     panel: LatencyPanel,
     speech: SpeechRequest,
     run_id: str,
@@ -229,7 +252,7 @@ def wire_loading(parts: TabParts) -> None:
 
 
 def wire_buttons(
-    service: ModelService,
+    service: Service,
     panel: LatencyPanel,
     generate: gr.Button,
     stop: gr.Button,

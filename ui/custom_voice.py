@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from pipeline.service import ModelInfo, ModelService, SpeechRequest
+from pipeline.service import ModelInfo, SpeechRequest
 from ui import controls
 from ui.latency import LatencyPanel
 
@@ -23,7 +23,7 @@ def instruct_update(info: ModelInfo) -> dict:
     return gr.update(info="This checkpoint ignores instructions (the 0.6B CustomVoice takes none; pick the 1.7B to use them).")
 
 
-def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
+def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
     with gr.Tab("Custom voice", id=NAME) as tab:
         gr.Markdown("Pick one of the checkpoint's preset speakers; the 1.7B checkpoint also follows a style instruction.")
         with gr.Row():

@@ -43,14 +43,20 @@ def pcm16(audio: np.ndarray) -> np.ndarray:
 
 def summary_text(start: StreamStart, chunks: list[Chunk], first_sent_ms: float | None, done: bool) -> str:
     if not chunks:
-        return f"Generating with `{start.checkpoint}`…"
+        return f"Generating with `{start.checkpoint}`{f' on {start.backend}' if start.backend else ''}…"
     last = chunks[-1]
     speed = f"{1 / last.rtf:.1f}× real time" if last.rtf > 0 else "instant"
     rtf = f"{'final' if done else 'running'} RTF **{last.rtf:.3f}** ({speed})"
+    # Over a remote backend the times are this server's: from sending the request to receiving the bytes.
+    where = f"measured here: first audio bytes from `{start.backend}`; generate and vocode ms not reported" if start.backend else "model"
     return (
-        f"TTFA **{chunks[0].elapsed_ms:.0f} ms** (model) · first chunk sent {first_sent_ms:.0f} ms after the request arrived · "
+        f"TTFA **{chunks[0].elapsed_ms:.0f} ms** ({where}) · first chunk sent {first_sent_ms:.0f} ms after the request arrived · "
         f"{rtf} · {last.audio_seconds:.2f} s of audio in {len(chunks)} chunks · `{start.checkpoint}`"
     )
+
+
+def ms_cell(ms: float | None) -> float | str:
+    return "–" if ms is None else round(ms, 1)
 
 
 def queued_text(queued: Queued) -> str:
@@ -63,7 +69,11 @@ def table_frame(rows: list[list]) -> pd.DataFrame:
 
 
 def plot_frame(chunks: list[Chunk]) -> pd.DataFrame:
-    rows = [(c.index, c.generate_ms, "generate") for c in chunks] + [(c.index, c.vocode_ms, "vocode") for c in chunks]
+    rows = [(c.index, c.generate_ms, "generate") for c in chunks if c.generate_ms is not None]
+    rows += [(c.index, c.vocode_ms, "vocode") for c in chunks if c.vocode_ms is not None]
+    if chunks and not rows:  # a remote backend reports neither: plot what is measured here, the time between arrivals
+        arrivals = [0.0] + [c.elapsed_ms for c in chunks]
+        rows = [(c.index, arrivals[i + 1] - arrivals[i], "arrival gap (here)") for i, c in enumerate(chunks)]
     return pd.DataFrame(rows, columns=["chunk", "ms", "stage"])
 
 
@@ -164,7 +174,7 @@ class LatencyPanel:
                 chunk, since_ms = item
                 first_sent_ms = since_ms if first_sent_ms is None else first_sent_ms
                 done.append(chunk)
-                rows.append([chunk.index, chunk.frames, round(chunk.generate_ms, 1), round(chunk.vocode_ms, 1), round(since_ms, 1), round(chunk.rtf, 3)])
+                rows.append([chunk.index, chunk.frames, ms_cell(chunk.generate_ms), ms_cell(chunk.vocode_ms), round(since_ms, 1), round(chunk.rtf, 3)])
             if done:
                 extra.update({self.table: table_frame(rows), self.plot: plot_frame(done), self.summary: summary_text(start, done, first_sent_ms, ended)})
             if extra:

@@ -7,7 +7,7 @@ import time
 
 import gradio as gr
 
-from pipeline.service import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, ModelService, TextDelta, Turn
+from pipeline.service import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, TextDelta, Turn
 from ui import controls
 from ui.latency import LatencyPanel
 
@@ -38,16 +38,18 @@ def user_message(text: str, audio: str | None) -> list[dict]:
     return parts
 
 
-def turn_stats(end: ChatEnd, audio_seconds: float, wall_s: float) -> str:
+def turn_stats(end: ChatEnd, audio_seconds: float, wall_s: float, backend: str | None = None) -> str:
     first_text = f"{end.first_text_ms:.0f} ms" if end.first_text_ms is not None else "–"
     first_audio = f"{end.first_audio_ms:.0f} ms" if end.first_audio_ms is not None else "–"
     rtf = f"{wall_s / audio_seconds:.2f}" if audio_seconds else "–"
     state = " · stopped" if end.stopped else ""
-    return (f"Last turn: first text token **{first_text}** · first audio **{first_audio}** · RTF **{rtf}** · "
-            f"{len(end.tokens)} tokens, {end.frames} frames ({audio_seconds:.1f} s){state}")
+    # A remote backend's reply carries no token ids: its times are this server's, its tokens are not counted.
+    where, tokens = (" (measured here)", "") if backend else ("", f"{len(end.tokens)} tokens, ")
+    return (f"Last turn: first text token **{first_text}** · first audio **{first_audio}**{where} · RTF **{rtf}** · "
+            f"{tokens}{end.frames} frames ({audio_seconds:.1f} s){state}")
 
 
-def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
+def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
     with gr.Tab("Omni chat", id=NAME) as tab:
         gr.Markdown("Talk with **Qwen3-Omni**: type or speak; the reply streams as text and as speech. "
                     "Sending a new message or pressing Stop while it speaks cuts it off.")
@@ -108,7 +110,7 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
                     return {chatbot: messages, live: live_html(deltas), turns: history + [{"role": "assistant", "text": reply, "audio": None}]}
                 if isinstance(event, ChatEnd):
                     seconds = 0.0 if event.first_audio_ms is None else event.frames * 0.08
-                    update = {stats: turn_stats(event, seconds, time.perf_counter() - received)}
+                    update = {stats: turn_stats(event, seconds, time.perf_counter() - received, start.backend)}
                     if not event.stopped:  # a stopped reply keeps what was shown; a newer message may own the state by now
                         update[turns] = history + [{"role": "assistant", "text": event.text, "audio": None}]
                     return update

@@ -9,7 +9,7 @@ from pathlib import Path
 import gradio as gr
 
 from pipeline.errors import TTSInputError
-from pipeline.service import ModelService, SpeechRequest, VoiceInfo
+from pipeline.service import SpeechRequest, VoiceInfo
 from ui import controls
 from ui.latency import LatencyPanel
 
@@ -29,7 +29,7 @@ def sample_voices() -> list[list[str]]:
     return [[str(VOICES / v["file"]), v["transcript"]] for v in voices]
 
 
-def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
+def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
     with gr.Tab("Voice clone", id=NAME) as tab:
         gr.Markdown("Upload or record 3-20 s of a voice, give its transcript (or use x-vector only), and type what it should say.")
         with gr.Row():
@@ -98,7 +98,8 @@ def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
         if not ready:
             return "Add the transcript of the reference (or tick x-vector only) to prepare this voice.", no_export
         status = f"Voice ready ({(time.perf_counter() - start) * 1000:.0f} ms): computed once, reused by every generation."
-        return status, gr.update(value=str(service.export_voice(name, ref, transcript, bool(xvec))), interactive=True)
+        exported = service.export_voice(name, ref, transcript, bool(xvec))  # None over a backend, which makes voices itself
+        return status, gr.update(value=str(exported), interactive=True) if exported else no_export
 
     # The voice prompt is computed (or the voice file loaded) as soon as the voice is complete, not at
     # the first Generate; another checkpoint means another voice, and may refuse the imported one.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from pipeline.service import ModelService, SpeechRequest
+from pipeline.service import SpeechRequest
 from ui import controls
 from ui.latency import LatencyPanel
 
@@ -18,7 +18,7 @@ EXAMPLES = [
 ]
 
 
-def build(service: ModelService, banner: gr.Markdown) -> controls.TabParts:
+def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
     with gr.Tab("Voice design", id=NAME) as tab:
         gr.Markdown("Describe a voice in words (timbre, age, accent, emotion, pace) and hear it speak.")
         with gr.Row():

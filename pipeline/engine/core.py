@@ -48,8 +48,9 @@ class Chunk:
     index: int
     audio: np.ndarray  # float32 [samples] at 24 kHz
     frames: int
-    generate_ms: float  # GPU time of the decode steps of this chunk's frames (the first chunk adds the prefill)
-    vocode_ms: float  # GPU time of the vocoder for them
+    # None where the figure is not known: a remote backend streams audio without its generation timings.
+    generate_ms: float | None  # GPU time of the decode steps of this chunk's frames (the first chunk adds the prefill)
+    vocode_ms: float | None  # GPU time of the vocoder for them
     elapsed_ms: float  # since the request was submitted, when this chunk was ready; chunk 0's is the TTFA
     audio_seconds: float  # audio streamed so far, this chunk included
     sample_rate: int = SAMPLE_RATE

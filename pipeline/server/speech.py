@@ -1,14 +1,16 @@
 """The speech API on the app's own server: OpenAI's `POST /v1/audio/speech` (plus the Qwen3-TTS fields
-vllm-omni accepts) and `GET /v1/models`. Requests go through the same model service and engine
-queue as the UI. Errors are JSON in OpenAI's shape with a 4xx status; a reference recording comes
-as base64 in the body and is written to a file the server names, a saved voice (`voice_prompt`)
-comes as base64 and is read from memory (no request field is a path).
+vllm-omni accepts) and `GET /v1/models` (with `GET /v1/models/{id}`, which loads a checkpoint and
+describes it: what a remote UI needs for its speaker and language choices). Requests go through the
+same model service and engine queue as the UI. Errors are JSON in OpenAI's shape with a 4xx status;
+a reference recording comes as base64 in the body and is written to a file the server names, a saved
+voice (`voice_prompt`) comes as base64 and is read from memory (no request field is a path).
 
 Access (`common.Access`): with a key, every call needs it as a bearer token; a server listening beyond
 localhost without a key keeps the API off; a client has at most a few requests in flight.
 
-Streaming (`"stream": true`) sends the audio as it is made: raw 16-bit PCM (`pcm`) or a WAV whose
-header leaves the length open (`wav`); without streaming every format is one file.
+Streaming (`"stream": true`, or vllm-omni's `"stream_format": "audio"`) sends the audio as it is made:
+raw 16-bit PCM (`pcm`) or a WAV whose header leaves the length open (`wav`); without streaming every
+format is one file.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -30,15 +33,19 @@ from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.request import SpeechRequest
 from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, pcm16, serve, until_gone
-from pipeline.service import TINY, ModelService, StreamEnd, StreamStart
+from pipeline.service import OMNI, TINY, ModelService, StreamEnd, StreamStart
 
 MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
 STREAMED_FORMATS = ("pcm", "wav")
 TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
-FIELDS = {"model", "input", "voice", "response_format", "speed", "stream", "task_type", "language", "instructions", "ref_audio", "ref_text",
-          "x_vector_only_mode", "voice_prompt", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature",
-          "subtalker_top_k", "subtalker_top_p"}
-SAMPLING_FIELDS = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p")
+# What /v1/models lists: the speech tasks, and Qwen3-Omni (served by /v1/chat/completions) under a task of its own.
+LISTED_TASKS = {**TASK_TYPES, "Omni": OMNI}
+FIELDS = {"model", "input", "voice", "response_format", "speed", "stream", "stream_format", "task_type", "language", "instructions", "ref_audio",
+          "ref_text", "x_vector_only_mode", "voice_prompt", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "repetition_penalty",
+          "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "schedule"}
+# Taken into the engine request as they are (its checks name a bad value); `schedule` is ours: frames per chunk.
+PASSED_FIELDS = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p",
+                 "schedule")
 
 
 @dataclass
@@ -60,11 +67,36 @@ def speech_routes(service: ModelService, access: Access | None = None) -> list[R
             access.check(request)
         except ApiError as exc:
             return exc.response()
-        data = [{"id": checkpoint, "object": "model", "owned_by": "local", "task_type": _task_name(kind), "loaded": service.is_loaded(kind, checkpoint)}
-                for kind, checkpoints in service.choices.items() if kind in TASK_TYPES.values() for checkpoint in checkpoints]
+        data = [model_entry(service, kind, checkpoint) for kind, checkpoints in service.choices.items() if kind in LISTED_TASKS.values()
+                for checkpoint in checkpoints]
         return JSONResponse({"object": "list", "data": data})
 
-    return [Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/models", models, methods=["GET"])]
+    async def model(request: Request) -> Response:
+        """One checkpoint, loaded on first use (as a first speech request would load it) and described."""
+        try:
+            access.check(request)
+            kind, checkpoint = _served(request.path_params["model"], request.query_params.get("task_type"), service)
+            await run_in_threadpool(service.info, kind, checkpoint)
+        except ApiError as exc:
+            return exc.response()
+        except TTSInputError as exc:  # a checkpoint that cannot be loaded says why
+            return ApiError(400, str(exc)).response()
+        return JSONResponse(model_entry(service, kind, checkpoint))
+
+    return [Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"])]
+
+
+def model_entry(service: ModelService, kind: str, checkpoint: str) -> dict:
+    """A checkpoint as /v1/models lists it: OpenAI's fields, vllm-omni's `task_type` (here also "Omni"),
+    and ours; a loaded one also names its `voices` (vllm-omni's word for the speakers), languages and
+    whether it follows instructions (nothing is loaded to list a checkpoint)."""
+    entry = {"id": checkpoint, "object": "model", "owned_by": "local", "task_type": _task_name(kind), "loaded": service.is_loaded(kind, checkpoint),
+             "random_weights": service.random_weights(kind, checkpoint)}
+    if entry["loaded"]:
+        info = service.info(kind, checkpoint)
+        entry.update(voices=info.speakers, languages=info.languages, supports_instruct=info.supports_instruct)
+    return entry
 
 
 def parse_speech(data: dict, service: ModelService) -> SpeechCall:
@@ -83,10 +115,14 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' is true or false.", "stream")
+    stream_format = data.get("stream_format")
+    if stream_format not in (None, "audio"):
+        raise ApiError(400, f"'stream_format' is 'audio' here (raw audio bytes; no SSE events), not '{stream_format}'.", "stream_format")
+    stream = stream or stream_format == "audio"  # as in vllm-omni: "audio" streams whatever 'stream' says
     if stream and response_format not in STREAMED_FORMATS:
         raise ApiError(400, f"A streamed response is pcm or wav, not {response_format}.", "response_format")
     model_type, checkpoint = _model(data, service)
-    fields = {k: data[k] for k in SAMPLING_FIELDS if data.get(k) is not None}
+    fields = {k: data[k] for k in PASSED_FIELDS if data.get(k) is not None}
     if data.get("max_new_tokens") is not None:
         fields["max_frames"] = data["max_new_tokens"]
     reference = None
@@ -111,6 +147,20 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
         _remove(reference)
         raise ApiError(400, str(exc)) from None
     return SpeechCall(request, response_format, stream, reference)
+
+
+def _served(model: str, task: str | None, service: ModelService) -> tuple[str, str]:
+    """(model type, checkpoint) of a listed checkpoint named by id (and task, where an id serves several)."""
+    if task is not None and task not in LISTED_TASKS:
+        raise ApiError(400, f"'task_type' is one of {', '.join(LISTED_TASKS)}, not '{task}'.", "task_type")
+    kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in LISTED_TASKS.values()]
+    if task is not None:
+        kinds = [kind for kind in kinds if kind == LISTED_TASKS[task]]
+    if not kinds:
+        raise ApiError(404, f"Model '{model}' is not served here{f' for {task}' if task else ''} (GET /v1/models lists them).", "model")
+    if len(kinds) > 1:
+        raise ApiError(400, f"Model '{model}' serves {', '.join(_task_name(k) for k in kinds)}: add ?task_type=.", "task_type")
+    return kinds[0], model
 
 
 def _model(data: dict, service: ModelService) -> tuple[str, str]:
@@ -206,7 +256,7 @@ def wav_header(data_bytes: int) -> bytes:
 
 
 def _task_name(model_type: str) -> str:
-    return next(name for name, kind in TASK_TYPES.items() if kind == model_type)
+    return next(name for name, kind in LISTED_TASKS.items() if kind == model_type)
 
 
 def _remove(path: Path | None) -> None:

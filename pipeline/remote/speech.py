@@ -1,0 +1,135 @@
+"""A Qwen3-TTS request over `POST /v1/audio/speech`: the body (our `SpeechRequest` in the fields both
+servers read), and the streamed raw PCM cut back into `Chunk`s timed by their arrival here."""
+from __future__ import annotations
+
+import base64
+import math
+import mimetypes
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from pipeline.engine import DEFAULT_SCHEDULE, Chunk, SamplingConfig
+from pipeline.remote.backend import TASK_NAMES, Backend
+from pipeline.request import SpeechRequest
+
+SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 1920  # 80 ms
+BYTES_PER_FRAME = 2 * SAMPLES_PER_FRAME  # 16-bit mono
+# What the sliders set that vLLM-Omni takes from its deploy config instead of the request.
+UNSENT_TO_VLLM = ("temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def speech_body(request: SpeechRequest, checkpoint: str, ours: bool, reference: str | None) -> dict:
+    """The JSON body: raw PCM streamed (`stream` for this app and older vLLM-Omni, `stream_format` for
+    current vLLM-Omni, which streams SSE events on `stream` alone). vLLM-Omni refuses the Base-only fields
+    on other tasks, so each task sends only its own."""
+    body = {"input": request.text, "model": checkpoint, "task_type": TASK_NAMES[request.model_type], "language": request.language,
+            "response_format": "pcm", "stream": True, "stream_format": "audio", "seed": request.seed, "max_new_tokens": request.max_frames}
+    if request.model_type == "custom_voice":
+        body.update(voice=request.speaker, instructions=request.instruct or None)
+    elif request.model_type == "voice_design":
+        body["instructions"] = request.instruct
+    elif request.voice_prompt is not None:  # `reference` is then the voice file, base64
+        body["voice_prompt"] = reference
+    else:
+        body.update(ref_audio=reference, ref_text=request.ref_text or None, x_vector_only_mode=request.x_vector_only)
+    if ours:  # this app also takes the sampling settings and the chunk schedule
+        body.update(request.sampling_overrides(), schedule=list(request.schedule))
+    return {name: value for name, value in body.items() if value is not None}
+
+
+def unsent_settings(request: SpeechRequest) -> list[str]:
+    """The settings of `request` that differ from the defaults and that vLLM-Omni does not take per request."""
+    defaults = SamplingConfig()
+    changed = [name for name in UNSENT_TO_VLLM if getattr(request, name) not in (None, getattr(defaults, name))]
+    return changed + (["chunk schedule"] if tuple(request.schedule) != DEFAULT_SCHEDULE else [])
+
+
+def data_url(path: str | Path) -> str:
+    """A recording as a base64 `data:` URL, the form of `ref_audio` both servers accept."""
+    mime = mimetypes.guess_type(str(path))[0] or ""
+    mime = mime if mime.startswith("audio/") else "audio/wav"
+    return f"data:{mime};base64,{base64.b64encode(Path(path).read_bytes()).decode()}"
+
+
+class Connection:
+    """A streamed response that another thread may end (Stop): shutting its socket down wakes the
+    reading thread at once, and the server sees its client gone (this app then frees the engine row)."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self._response: httpx.Response | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, response: httpx.Response) -> None:
+        with self._lock:
+            self._response = response
+            if self.stopped:  # stopped while the request was on its way
+                self._shutdown()
+
+    def close(self) -> None:
+        with self._lock:
+            self.stopped = True
+            if self._response is not None:
+                self._shutdown()
+
+    def _shutdown(self) -> None:
+        stream = self._response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is None:
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already: nothing is left to end
+            pass
+
+
+@dataclass
+class PcmCutter:
+    """Raw 16-bit PCM as it arrives, cut at whole 80 ms frames into Chunks; `elapsed_ms` is measured
+    here, from `started` (when the request was sent) to the arrival of the chunk's last byte."""
+
+    started: float
+    pending: bytes = b""
+    index: int = 0
+    samples: int = 0
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.samples / SAMPLE_RATE
+
+    def take(self, data: bytes, final: bool = False) -> Chunk | None:
+        """The whole frames received so far (at the end, whatever whole samples are left); None if none."""
+        self.pending += data
+        size = len(self.pending) - len(self.pending) % (2 if final else BYTES_PER_FRAME)
+        if size == 0:
+            return None
+        pcm, self.pending = self.pending[:size], self.pending[size:]
+        audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32767.0  # the inverse of the players' and servers' pcm16
+        self.samples += audio.size
+        elapsed_ms = (time.perf_counter() - self.started) * 1000.0
+        chunk = Chunk(self.index, audio, math.ceil(audio.size / SAMPLES_PER_FRAME), None, None, elapsed_ms, self.audio_seconds)
+        self.index += 1
+        return chunk
+
+
+def pcm_chunks(response: httpx.Response, connection: Connection, backend: Backend, started: float) -> Iterator[Chunk]:
+    """The response's audio as Chunks. Stop ends it quietly; a backend that goes away raises BackendUnavailable."""
+    cutter = PcmCutter(started)
+    try:
+        for data in response.iter_bytes():
+            if (chunk := cutter.take(data)) is not None:
+                yield chunk
+    except httpx.TransportError as exc:
+        if connection.stopped:
+            return
+        raise backend.stopped_answering(exc, cutter.audio_seconds) from None
+    if (chunk := cutter.take(b"", final=True)) is not None:
+        yield chunk
