@@ -79,6 +79,24 @@ def test_the_audio_equals_the_backends_engine_for_the_same_seed(backend, referen
     assert len(expected) == 30 * 1920 and np.array_equal(pcm16(audio_of(chunks)), expected)
 
 
+def test_a_saved_voice_goes_to_the_backend_and_speaks_as_its_reference(backend, reference_wav, tmp_path):
+    """A voice file exported by the backend's checkpoint is sent with the request (nothing to export
+    over a backend: the voice is made there); a damaged one is refused before anything is sent."""
+    remote, service = backend
+    fields = dict(text=SPEECH, model_type="base", checkpoint=TINY, seed=3, max_frames=20)
+    exported = service.export_voice(TINY, str(reference_wav), "Speak slowly and warmly.", False)
+    assert remote.export_voice(TINY, str(reference_wav), "Speak slowly and warmly.", False) is None
+    info = remote.load_voice_file(TINY, exported)
+    assert not info.x_vector_only and info.ref_text == "Speak slowly and warmly." and info.ref_seconds > 0
+    saved = pcm16(audio_of(remote.stream(SpeechRequest(**fields, voice_prompt=str(exported)))))
+    expected = pcm16(audio_of(service.stream(SpeechRequest(**fields, ref_audio=str(reference_wav), ref_text="Speak slowly and warmly."))))
+    assert len(expected) == 20 * 1920 and np.array_equal(saved, expected)
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(Path(exported).read_bytes()[:100])
+    with pytest.raises(TTSInputError, match="cut short"):
+        list(remote.stream(SpeechRequest(**fields, voice_prompt=str(damaged))))
+
+
 def test_stop_closes_the_stream_and_frees_the_backends_row(backend):
     remote, service = backend
     engine = service.model("custom_voice", TINY).engine
