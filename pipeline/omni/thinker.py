@@ -2,11 +2,12 @@
 time so that each token can go to the chat and to the talker as soon as it exists.
 
 A conversation holds one of a fixed number of slots: a KV cache in preallocated buffers, written
-at a position kept on the device, and its own rope offset (transformers keeps the offset on the
+at a position kept on the device, and its own rope position (transformers keeps the offset on the
 module, which would mix conversations). That makes the one-token step a CUDA graph per slot: in
 eager PyTorch the 48-layer MoE step is thousands of small launches (137 ms per token measured on
-an H200, slower than the speech it feeds). The prompt goes through transformers' own forward
-with its dynamic cache, then into the slot. Forward calls are serialized by a lock, so
+an H200, slower than the speech it feeds). The prompt goes through transformers' decoder layers
+as two graphs per length bucket, split at the layer the talker reads, into a staging cache and
+then into the slot. Forward calls are serialized by a lock, so
 conversations interleave token by token. Sampling uses the engine's counter-based draws: the
 same seed gives the same reply.
 """
@@ -16,6 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from pipeline.model import known_fields
 from pipeline.omni.conversation import ThinkerInputs
 
 log = logging.getLogger(__name__)
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # prompt lengths with a prefill graph (zero-padded to the next)
 SLOT_POLL_S = 0.05  # how often a turn waiting for a free slot looks at its stop flag
 
 
@@ -57,17 +60,17 @@ class StaticKV:
         self.keys = torch.zeros(layers, 1, heads, max_len, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.index = self.position  # where `update` writes: the next position, or a prompt's positions
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys[layer_idx].index_copy_(2, self.position, key)
-        self.values[layer_idx].index_copy_(2, self.position, value)
+        self.keys[layer_idx].index_copy_(2, self.index, key)
+        self.values[layer_idx].index_copy_(2, self.index, value)
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def load(self, cache: Any, length: int) -> None:
-        """Take over a prompt's `length` positions from transformers' DynamicCache."""
-        for layer, (keys, values) in enumerate((entry.keys, entry.values) for entry in cache.layers):
-            self.keys[layer, :, :, :length].copy_(keys)
-            self.values[layer, :, :, :length].copy_(values)
+    def load(self, other: "StaticKV", length: int) -> None:
+        """Take over the first `length` positions of `other` (a prompt prefilled there)."""
+        self.keys[:, :, :, :length].copy_(other.keys[:, :, :, :length])
+        self.values[:, :, :, :length].copy_(other.values[:, :, :, :length])
         self.position.fill_(length)
 
 
@@ -133,17 +136,33 @@ class Thinker:
         self.key_positions = torch.arange(max_len, device=self.device)
         self.masked = torch.tensor(torch.finfo(weight.dtype).min, dtype=weight.dtype, device=self.device)
         self.slots = [_Slot(self, index, max_len) for index in range(slots)]
+        # Prompts go through graphs per length bucket (zero-padded; causal masking keeps the padding out
+        # of every real position) into one staging cache, then into the conversation's slot.
+        config = model.config.text_config
+        self.buckets = [b for b in PREFILL_BUCKETS if b < max_len] or [max_len]
+        self.staging = StaticKV(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.buckets[-1], weight.dtype, self.device)
+        self.staging_positions = torch.arange(self.buckets[-1], device=self.device)
+        self.bucket_positions = {b: torch.arange(b, device=self.device) for b in self.buckets}
+        self.prefill_in = torch.zeros(1, self.buckets[-1], config.hidden_size, dtype=weight.dtype, device=self.device)
+        self.prefill_mid = torch.zeros_like(self.prefill_in)
+        graphs = self.device.type == "cuda"
+        self.prefill_lower = {b: CUDAGraphed(partial(self._prefill_layers, b, 0, accept_hidden_layer), graphs) for b in self.buckets}
+        self.prefill_upper = {b: CUDAGraphed(partial(self._prefill_layers, b, accept_hidden_layer, config.num_hidden_layers), graphs)
+                              for b in self.buckets}
         self.free: queue.Queue[_Slot] = queue.Queue()
         for slot in self.slots:
             self.free.put(slot)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture every slot's step graph now rather than in a user's first reply (a capture's
-        warm-up runs write into the slot's cache, which its next prompt overwrites)."""
+        """Capture every graph now rather than in a user's first reply (a capture's warm-up runs
+        write into the caches, which the next prompt overwrites)."""
         with self.lock:
             for slot in self.slots:
                 slot.step()
+            for bucket in self.buckets:
+                self.prefill_lower[bucket]()
+                self.prefill_upper[bucket]()
 
     @classmethod
     def from_pretrained(cls, directory: Path, device: torch.device, dtype: torch.dtype, accept_hidden_layer: int, **options) -> "Thinker":
@@ -163,8 +182,9 @@ class Thinker:
         finally:
             hf_logging.set_verbosity(verbosity)
         if device.type == "cuda":
-            # The routed experts as grouped GEMMs with device-side offsets: no host sync, so the step can be a graph.
-            model.config.text_config._experts_implementation = "grouped_mm"
+            # Routed experts without a host sync, so that the step can be a graph: grouped GEMMs with
+            # device-side offsets in bf16; in float32 torch's grouped GEMM copies from the host, so gathered weights.
+            model.config.text_config._experts_implementation = "grouped_mm" if dtype == torch.bfloat16 else "batched_mm"
         return cls(model.to(device).eval(), accept_hidden_layer, **options)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -187,36 +207,26 @@ class Thinker:
     def prefill(self, slot: _Slot, inputs: ThinkerInputs, sampling: ThinkerSampling, seed: int,
                 on_accept_layer: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> Prefilled:
         """The prompt through the thinker, into `slot`. `on_accept_layer(embeds, hidden)` is called as
-        soon as layer `accept_hidden_layer` is done, while the layers above it still run (what the
-        talker's prompt needs is known by then)."""
+        soon as layer `accept_hidden_layer` is done, before the layers above it run (what the talker's
+        prompt needs is known by then, and its prefill overlaps theirs)."""
         input_ids = inputs.input_ids.to(self.device)
-        features = {k: v.to(self.device) for k, v in inputs.features.items()}
-        if "input_features" in features:
-            features["input_features"] = features["input_features"].to(self.model.dtype)
-        layers = self.model.model.layers
-        seen: dict[str, torch.Tensor] = {}
-
-        def keep_embeds(module, args, kwargs):
-            seen["embeds"] = (args[0] if args else kwargs["hidden_states"])[0]
-
-        def at_accept_layer(module, args, output):
-            seen["hidden"] = (output[0] if isinstance(output, tuple) else output)[0]
-            if on_accept_layer is not None:
-                on_accept_layer(seen["embeds"], seen["hidden"])
-
-        # hidden_states[k] of transformers' output is what layer k reads: the input embeddings, then each layer's output.
-        hooks = [layers[0].register_forward_pre_hook(keep_embeds, with_kwargs=True),
-                 layers[self.accept_hidden_layer - 1].register_forward_hook(at_accept_layer)]
-        try:
-            with self.lock:
-                out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True, **features)
-        finally:
-            for hook in hooks:
-                hook.remove()
         length = input_ids.shape[1]
-        with self.lock:
-            slot.kv.load(out.past_key_values, length)
-            slot.rope_position.fill_(length + int(out.rope_deltas.reshape(-1)[0]))
+        bucket = next((b for b in self.buckets if length <= b), None)
+        if bucket is None:
+            raise ValueError(f"The prompt has {length} positions; the thinker takes at most {self.buckets[-1]}.")
+        embeds = self._input_embeds(input_ids, inputs.features)
+        with self.lock:  # held throughout: the prompt and staging buffers are shared by all conversations
+            self.prefill_in[:, :length].copy_(embeds)
+            self.prefill_in[:, length:bucket].zero_()
+            lower = self.prefill_lower[bucket]()
+            hidden_at_accept = lower[0, :length].clone()
+            if on_accept_layer is not None:
+                on_accept_layer(embeds[0], hidden_at_accept)
+            upper = self.prefill_upper[bucket]()
+            logits = self.model.lm_head(upper[:, length - 1 : length])[0, -1]
+            slot.kv.load(self.staging, length)
+            # Text and audio prompts have sequential multimodal rope positions (no images or video).
+            slot.rope_position.fill_(length)
         token_seen = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
         token_seen[input_ids[0]] = True
         settings = RowSampling.zeros(1, self.device)
@@ -224,7 +234,35 @@ class Thinker:
         penalty = sampling.repetition_penalty if sampling.do_sample else 1.0
         seed_hash = mix32(torch.tensor([seed & M32], device=self.device))
         state = ThinkerState(slot, length, token_seen, settings, seed_hash, penalty, torch.zeros(1, dtype=torch.long, device=self.device))
-        return Prefilled(state, out.logits[0, -1], seen["embeds"], seen["hidden"])
+        return Prefilled(state, logits, embeds[0], hidden_at_accept)
+
+    def _input_embeds(self, input_ids: torch.Tensor, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[1, L, hidden]: the token embeddings, the audio encoder's output at the audio placeholders."""
+        embeds = self.model.get_input_embeddings()(input_ids)
+        if "input_features" in features:
+            audio = self.model.get_audio_features(features["input_features"].to(self.device, self.model.dtype),
+                                                  features["feature_attention_mask"].to(self.device), return_dict=True).last_hidden_state
+            placeholders = (input_ids == self.model.config.audio_token_id)[..., None].expand_as(embeds)
+            embeds = embeds.masked_scatter(placeholders, audio.to(embeds.dtype))
+        return embeds
+
+    def _prefill_layers(self, bucket: int, first: int, last: int) -> torch.Tensor:
+        """Layers first..last-1 over `bucket` positions of the prompt buffer (what a prefill graph
+        holds), writing keys and values into the staging cache; the lower part reads the input
+        embeddings and leaves its output where the upper part reads it."""
+        text = self.model.model
+        positions = self.bucket_positions[bucket]
+        self.staging.index = positions
+        mask = torch.where(self.staging_positions[None, :] <= positions[:, None], 0.0, self.masked).to(self.masked.dtype)
+        hidden = self.prefill_in[:, :bucket] if first == 0 else self.prefill_mid[:, :bucket]
+        position_ids = positions.view(1, 1, -1).expand(3, 1, -1)
+        rope = text.rotary_emb(hidden, position_ids)
+        for layer in text.layers[first:last]:
+            hidden = layer(hidden, attention_mask=mask[None, None], position_ids=None, past_key_values=self.staging, position_embeddings=rope)
+        if last < len(text.layers):
+            self.prefill_mid[:, :bucket].copy_(hidden)
+            return self.prefill_mid[:, :bucket]
+        return text.norm(hidden)
 
     @torch.inference_mode()
     def step(self, state: ThinkerState, token: int) -> torch.Tensor:
