@@ -178,6 +178,13 @@ class ModelService:
             if reason:
                 self._fall_back(model_type, source, reason)
 
+    def register(self, model_type: str, checkpoint: str, model: TTS | OmniChat) -> None:
+        """Serve a model built elsewhere (the API benchmark's random weights at real size) as the
+        tab's default checkpoint `checkpoint`."""
+        with self._lock:
+            self.choices[model_type] = (checkpoint, *(c for c in self.choices[model_type] if c != checkpoint))
+            self._models[(model_type, checkpoint)] = model
+
     def is_loaded(self, model_type: str, checkpoint: str | None = None) -> bool:
         return (model_type, checkpoint or self.default_checkpoint(model_type)) in self._models
 
