@@ -132,8 +132,7 @@ class OmniChat:
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         device = talker.codec_head.weight.device
         self.rows = rows or DEFAULT_ROWS.get(device.type, 2)
-        if use_cuda_graphs and device.type == "cuda":
-            thinker.warm_up()
+        thinker.use_graphs(use_cuda_graphs)
         with torch.inference_mode():
             self.specials = text_specials(talker, thinker.model.get_input_embeddings(), ids).to(talker.codec_head.weight.dtype)
             decoder = BatchDecoder(talker, self.specials[0], self.rows, max_seq, use_cuda_graphs, compiled, min_new_tokens=0)

@@ -154,9 +154,20 @@ class Thinker:
             self.free.put(slot)
 
     @torch.inference_mode()
+    def use_graphs(self, enabled: bool) -> None:
+        """Run the prompt and step as CUDA graphs (on CUDA only), captured now rather than in a user's
+        first reply; or eagerly."""
+        for graphed in self._graphed():
+            graphed.enabled = enabled and self.device.type == "cuda"
+        if enabled and self.device.type == "cuda":
+            self.warm_up()
+
+    def _graphed(self) -> list[CUDAGraphed]:
+        return [slot.step for slot in self.slots] + list(self.prefill_lower.values()) + list(self.prefill_upper.values())
+
+    @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture every graph now rather than in a user's first reply (a capture's warm-up runs
-        write into the caches, which the next prompt overwrites)."""
+        """Capture every graph (a capture's warm-up runs write into the caches, which the next prompt overwrites)."""
         with self.lock:
             for slot in self.slots:
                 slot.step()
@@ -270,8 +281,13 @@ class Thinker:
         if state.length >= self.max_len:
             raise ValueError(f"The thinker's cache holds {self.max_len} positions; the reply is longer.")
         with self.lock:
-            state.slot.token.fill_(token)
-            logits = state.slot.step()
+            slot = state.slot
+            slot.token.fill_(token)
+            logits = slot.step()
+            # Outside the graph: a capture's warm-up runs execute the step for real, and a step that
+            # moved its own position would then move it three times.
+            slot.kv.position.add_(1)
+            slot.rope_position.add_(1)
         state.length += 1
         return logits
 
@@ -281,8 +297,6 @@ class Thinker:
         mask = torch.where(self.key_positions <= kv.position, 0.0, self.masked).to(self.masked.dtype)
         out = self.model(input_ids=slot.token, position_ids=slot.rope_position.view(1, 1, 1).expand(3, 1, 1),
                          attention_mask=mask.view(1, 1, 1, -1), past_key_values=kv, use_cache=True)
-        kv.position.add_(1)
-        slot.rope_position.add_(1)
         return out.logits[0, -1]
 
     @torch.inference_mode()
