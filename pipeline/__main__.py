@@ -16,6 +16,7 @@ import numpy as np
 
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import torch_device
+from pipeline.omni import MAX_REPLY_TOKENS
 from pipeline.outputs import check_output_dir, check_output_path
 from pipeline.request import SpeechRequest
 
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system prompt (none without it)")
     chat.add_argument("--greedy", action="store_true", help="no sampling: thinker, talker and code predictor greedy")
     chat.add_argument("--seed", type=int)
-    chat.add_argument("--max-new-tokens", type=int, default=1024, help="at most this many reply tokens")
+    chat.add_argument("--max-new-tokens", type=int, default=MAX_REPLY_TOKENS, help=f"at most this many reply tokens (default and most: {MAX_REPLY_TOKENS})")
     chat.add_argument("--max-frames", type=int, help="at most this many 80 ms speech frames")
     chat.add_argument("--out", required=True, type=Path, help="the spoken reply (.wav, .flac or .ogg)")
     chat.add_argument("--text-out", type=Path, help="the reply as the tokenizer decodes it, special tokens skipped (.txt)")

@@ -6,8 +6,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be found or loaded; the message names the missing piece."""
 
 
-class EngineBusy(RuntimeError):
-    """The engine's queue is full; the message says how many requests are ahead."""
+class EngineBusy(TTSInputError):
+    """The engine's queue is full; the message says how many requests are ahead. A TTSInputError so that
+    every front end shows its sentence as it shows a bad input's; the HTTP API answers it with 429."""
 
 
 class BackendUnavailable(TTSInputError):

@@ -21,8 +21,8 @@ from typing import Protocol
 
 from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Queued, SamplingConfig
 from pipeline.omni import HUB_ID as OMNI_HUB_ID
-from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, OmniChat, TextDelta, Turn
-from pipeline.errors import CheckpointError, EngineBusy, TTSInputError
+from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, ChatRequest, OmniChat, TextDelta, Turn
+from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.model import MODEL_TYPES
 from pipeline import voice_file
 from pipeline.request import SpeechRequest
@@ -30,7 +30,7 @@ from pipeline.tts import SAMPLES_PER_FRAME, TTS, VoicePrompt
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_SCHEDULE", "DEFAULT_SPEAKER", "DEFAULT_SYSTEM_PROMPT", "MAX_AUDIO_SECONDS", "ChatEnd", "ChatRequest", "Chunk", "ModelInfo",
+__all__ = ["DEFAULT_SCHEDULE", "DEFAULT_SPEAKER", "DEFAULT_SYSTEM_PROMPT", "MAX_AUDIO_SECONDS", "MAX_REPLY_TOKENS", "ChatEnd", "ChatRequest", "Chunk", "ModelInfo",
            "ModelService", "Queued", "SpeechRequest", "StreamEnd", "StreamStart", "TTSInputError", "TextDelta", "Turn", "VoiceInfo", "parse_models"]
 
 # The official checkpoints per model type; the first is each tab's default.
@@ -179,10 +179,10 @@ class ModelService:
                 self._fall_back(model_type, source, reason)
 
     def register(self, model_type: str, checkpoint: str, model: TTS | OmniChat) -> None:
-        """Serve a model built elsewhere (the API benchmark's random weights at real size) as the
-        tab's default checkpoint `checkpoint`."""
+        """Serve a model built elsewhere (the API benchmark's random weights at real size) as one more
+        checkpoint of its tab."""
         with self._lock:
-            self.choices[model_type] = (checkpoint, *(c for c in self.choices[model_type] if c != checkpoint))
+            self.choices[model_type] = (*(c for c in self.choices[model_type] if c != checkpoint), checkpoint)
             self._models[(model_type, checkpoint)] = model
 
     def is_loaded(self, model_type: str, checkpoint: str | None = None) -> bool:
@@ -341,10 +341,7 @@ class ModelService:
             voice = self.saved_voice(tts, request.voice_prompt)
         elif request.model_type == "base":
             voice = self.voice_prompt(tts, request.ref_audio, request.ref_text, request.x_vector_only)
-        try:
-            handle = tts.submit(request, voice)
-        except EngineBusy as exc:
-            raise TTSInputError(str(exc)) from None
+        handle = tts.submit(request, voice)  # a full queue raises EngineBusy, a TTSInputError
         self._running.add(key, handle)
         try:
             yield StreamStart(source, self.random_weights(request.model_type, source), list(handle.warnings))

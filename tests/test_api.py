@@ -259,3 +259,25 @@ def test_requests_in_flight_per_client_are_limited(api):
     while (status := client.post("/v1/audio/speech", json=BODY).status_code) == 429 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert status == 200
+
+
+def test_a_full_engine_queue_is_a_429_and_a_refused_request_leaves_no_file(api, tiny_checkpoints, reference_wav, tmp_path, monkeypatch):
+    """The engine's bounded queue refusing a request is "try again" (429), not a bad request; a request
+    refused by the per-client limit writes no reference file."""
+    import base64
+    import tempfile
+
+    from pipeline.tts import TTS
+
+    _, service = api
+    service.register("custom_voice", "tiny-no-queue", TTS.from_pretrained(str(tiny_checkpoints["custom_voice"]), rows=1, max_queue=0))
+    client = access_client(service, per_client=1)
+    for stream in (False, True):
+        refused = client.post("/v1/audio/speech", json={**BODY, "model": "tiny-no-queue", "stream": stream})
+        assert refused.status_code == 429 and "requests ahead; try again shortly" in refused.json()["error"]["message"]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the server writes reference files
+    clone = {"input": "Hi.", "task_type": "Base", "ref_audio": base64.b64encode(reference_wav.read_bytes()).decode(), "ref_text": "Hello."}
+    with client.stream("POST", "/v1/audio/speech", json={**BODY, "stream": True, "max_new_tokens": 2000}) as first:
+        assert next(first.iter_bytes())
+        assert client.post("/v1/audio/speech", json=clone).status_code == 429
+        assert list(tmp_path.iterdir()) == []

@@ -198,7 +198,8 @@ BAD_REQUESTS = [
     (body(top_k=2.5), 400, "'top_k' is an integer, not 2.5."),
     (body(top_k=-2), 400, "top_k must be at least 0"),
     (body(seed="x"), 400, "'seed' is an integer"),
-    (body(max_tokens=0), 400, "'max_tokens' is at least 1, not 0."),
+    (body(max_tokens=0), 400, "'max_tokens' is from 1 to 1024, not 0."),
+    (body(max_tokens=1025), 400, "'max_tokens' is from 1 to 1024, not 1025."),
     (body(stream="yes"), 400, "'stream' is true or false."),
     (body(tools=[]), 400, "Unknown field 'tools'."),
     (body(model="Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"), 400, "is a Qwen3-TTS model; chat completions need a Qwen3-Omni model"),
@@ -225,7 +226,7 @@ def test_a_body_that_is_not_json(served):
 def test_a_client_that_goes_away_frees_its_row(served):
     client, service = served
     engine = service.model("omni").engine
-    with client.stream("POST", "/v1/chat/completions", json=body(stream=True, max_tokens=2000)) as response:
+    with client.stream("POST", "/v1/chat/completions", json=body(stream=True, max_tokens=1000)) as response:
         for line in response.iter_lines():
             if line.startswith("data: {") and json.loads(line.removeprefix("data: ")).get("modality") == "audio":
                 break  # the talker's row is speaking

@@ -7,7 +7,7 @@ import time
 
 import gradio as gr
 
-from pipeline.service import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, ChatEnd, ChatRequest, TextDelta, Turn
+from pipeline.service import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, ChatRequest, TextDelta, Turn
 from ui import controls
 from ui.latency import LatencyPanel
 
@@ -18,7 +18,6 @@ EXAMPLES = [
     "Tell me a very short bedtime story about a lighthouse.",
     "你好！请用两句话介绍一下你自己。",
 ]
-MAX_REPLY_TOKENS = 1024
 LOOKAHEAD_S = 555 / 24000  # code2wav holds this much back: frame k starts k * 80 ms - LOOKAHEAD_S into the audio
 LIVE_IDLE = '<div class="omni-live-text">The reply appears here while it is spoken; the word being said is highlighted.</div>'
 

@@ -26,7 +26,7 @@ import torch
 from pipeline.audio import load_message_audio
 from pipeline.codec import MultiStreamDecoder
 from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, Engine, Handle, Job, Queued, SamplingConfig, Segment
-from pipeline.errors import CheckpointError, EngineBusy, TTSInputError
+from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import load_part, read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.omni.code2wav import Code2Wav
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, ThinkerInputs, Turn, build_inputs
@@ -44,8 +44,8 @@ DEFAULT_SYSTEM_PROMPT = (
     "keep your replies short and conversational, and do not use formatting, lists or emoji, which cannot be spoken."
 )
 MAX_PROMPT = 2030  # thinker positions of the conversation (so the talker's prompt fits its largest prefill); older turns are dropped beyond
-DEFAULT_MAX_NEW_TOKENS = 1024
-THINKER_MAX_SEQ = MAX_PROMPT + DEFAULT_MAX_NEW_TOKENS  # thinker positions per conversation (its cache slot)
+MAX_REPLY_TOKENS = 1024  # reply tokens at most (and by default): the thinker's cache slot is sized for them
+THINKER_MAX_SEQ = MAX_PROMPT + MAX_REPLY_TOKENS  # thinker positions per conversation (its cache slot)
 DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once
 TALKER_MAX_SEQ = 4096  # talker positions per conversation: the user turns + 9 + frames
 CLOSE_TIMEOUT_S = 10.0
@@ -66,7 +66,7 @@ class ChatRequest:
     speaker: str = DEFAULT_SPEAKER
     greedy: bool = False  # thinker, talker and code predictor greedy (the talker's repetition penalty stays)
     seed: int | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int = MAX_REPLY_TOKENS
     max_frames: int | None = None  # speech frames (80 ms); None: as many as the reply needs
     schedule: tuple[int, ...] = DEFAULT_SCHEDULE
     # The thinker's sampling (None: generation_config.json's); temperature 0 means greedy. The talker keeps its own.
@@ -177,8 +177,8 @@ class OmniChat:
     def prepare(self, request: ChatRequest) -> _Prepared:
         """Everything checked and encoded before any work starts."""
         speaker = self.ids.speaker(request.speaker)
-        if not 1 <= request.max_new_tokens <= DEFAULT_MAX_NEW_TOKENS:
-            raise TTSInputError(f"max_new_tokens must be from 1 to {DEFAULT_MAX_NEW_TOKENS}, not {request.max_new_tokens}.")
+        if not 1 <= request.max_new_tokens <= MAX_REPLY_TOKENS:
+            raise TTSInputError(f"max_new_tokens must be from 1 to {MAX_REPLY_TOKENS}, not {request.max_new_tokens}.")
         if request.max_frames is not None and request.max_frames < 1:
             raise TTSInputError("max_frames must be at least 1.")
         schedule = tuple(int(n) for n in request.schedule)
@@ -357,10 +357,7 @@ class _Turn:
         trailing = prefix.new_zeros(0, prefix.shape[-1])
         job = Job([Segment(prefix[None], trailing, text_end=False, awaits=1)], prepared.sampling, prepared.seed,
                   min(prepared.max_frames, chat.engine.decoder.max_frames(prefix.shape[0] + 1)), prepared.schedule)
-        try:
-            handle = chat.engine.submit(job)
-        except EngineBusy as exc:
-            raise TTSInputError(str(exc)) from None
+        handle = chat.engine.submit(job)  # a full queue raises EngineBusy, a TTSInputError
         with self.lock:
             self.handle = handle
         if self.stop.is_set():

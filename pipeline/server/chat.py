@@ -39,8 +39,8 @@ from pipeline.audio import load_message_audio
 from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE
-from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, serve, until_gone
-from pipeline.service import MAX_AUDIO_SECONDS, OMNI, ChatEnd, ChatRequest, ModelService, StreamEnd, StreamStart, TextDelta, Turn
+from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, input_error, serve, until_gone
+from pipeline.service import MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, OMNI, ChatEnd, ChatRequest, ModelService, StreamEnd, StreamStart, TextDelta, Turn
 
 FIELDS = {"model", "messages", "modalities", "audio", "speaker", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p",
           "top_k", "seed"}
@@ -156,8 +156,8 @@ def _number(data: dict, name: str, integer: bool = False) -> int | float | None:
 def _max_tokens(data: dict) -> int | None:
     name = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"  # OpenAI's newer name wins
     value = _number(data, name, integer=True)
-    if value is not None and value < 1:
-        raise ApiError(400, f"'{name}' is at least 1, not {value}.", name)
+    if value is not None and not 1 <= value <= MAX_REPLY_TOKENS:
+        raise ApiError(400, f"'{name}' is from 1 to {MAX_REPLY_TOKENS}, not {value}.", name)
     return value
 
 
@@ -251,7 +251,7 @@ def _respond(call: ChatCall, service: ModelService, done: Callable[[], None]) ->
     try:
         start = next(events)  # the request checked against the checkpoint (voice, control tokens, length) before any work
     except TTSInputError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise input_error(exc) from None
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), start.checkpoint, service.model(OMNI, start.checkpoint).im_end)
     headers = {"X-Random-Weights": str(start.random_weights).lower()}
     if call.stream:
@@ -259,7 +259,7 @@ def _respond(call: ChatCall, service: ModelService, done: Callable[[], None]) ->
     try:
         return JSONResponse(_completion(events, call, reply), headers=headers)
     except TTSInputError as exc:  # a full engine queue is found once the thinker has read the prompt
-        raise ApiError(400, str(exc)) from None
+        raise input_error(exc) from None
     finally:
         events.close()
 
@@ -296,7 +296,7 @@ def _sse(events: Iterator[StreamStart | TextDelta | Chunk | ChatEnd | StreamEnd]
             elif isinstance(event, ChatEnd):
                 yield reply.chunk(None, {}, finish_reason=reply.finish_reason(event))
     except TTSInputError as exc:  # after the 200 has gone out: the error is an event, as vllm-omni sends it
-        yield _event(ApiError(400, str(exc)).body())
+        yield _event(input_error(exc).body())
     finally:
         events.close()
     yield b"data: [DONE]\n\n"

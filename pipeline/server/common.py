@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pipeline.errors import EngineBusy, TTSInputError
 from pipeline.service import MAX_UPLOAD_BYTES, ModelService
 
 SAMPLE_RATE = 24000
@@ -71,6 +72,11 @@ class Access:
             self.in_flight[client] -= 1
 
 
+def input_error(exc: TTSInputError) -> ApiError:
+    """A request the engine cannot take as an API error: 429 when its queue is full, else 400."""
+    return ApiError(429 if isinstance(exc, EngineBusy) else 400, str(exc))
+
+
 async def serve(request: Request, access: Access, parse: Callable[[dict], Call],
                 respond: Callable[[Call, Callable[[], None]], Response]) -> Response:
     """One API call: access, the body checked by `parse` before any work, a place among the client's
@@ -81,12 +87,12 @@ async def serve(request: Request, access: Access, parse: Callable[[dict], Call],
     client = request.client.host if request.client else "?"
     try:
         access.check(request)
-        call = await run_in_threadpool(parse, await json_body(request))
-        access.enter(client)
+        access.enter(client)  # before parsing: a refused request has written nothing (a reference file)
     except ApiError as exc:
         return exc.response()
     streaming = False
     try:
+        call = await run_in_threadpool(parse, await json_body(request))
         response = await run_in_threadpool(respond, call, partial(access.leave, client))
         streaming = isinstance(response, StreamingResponse)
         return response

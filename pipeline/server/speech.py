@@ -32,7 +32,7 @@ from starlette.routing import Route
 from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.request import SpeechRequest
-from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, pcm16, serve, until_gone
+from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, input_error, pcm16, serve, until_gone
 from pipeline.service import OMNI, TINY, ModelService, StreamEnd, StreamStart
 
 MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
@@ -221,7 +221,7 @@ def _respond(call: SpeechCall, service: ModelService, done: Callable[[], None]) 
         stream.close()
         _remove(call.reference)
         if isinstance(exc, TTSInputError):
-            raise ApiError(400, str(exc)) from None
+            raise input_error(exc) from None
         raise
     headers = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Random-Weights": str(start.random_weights).lower()}
     if call.stream:
