@@ -9,7 +9,7 @@ from pipeline.errors import TTSInputError
 from pipeline.listening import Sessions
 from pipeline.remote import RemoteService
 from pipeline.server import Access
-from pipeline.service import ModelService, parse_models
+from pipeline.service import OMNI, TYPE_NAMES, ModelService, parse_models
 from ui.app import build_demo, launch_options
 
 
@@ -30,35 +30,36 @@ def on_zero_gpu() -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Streaming Qwen3-TTS and Qwen3-Omni demo: voice clone, custom voice, voice design and Omni chat.")
-    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), help="interface to listen on (env GRADIO_SERVER_NAME)")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (env GRADIO_SERVER_PORT)")
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), help="interface to listen on (env GRADIO_SERVER_NAME; default %(default)s)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (env GRADIO_SERVER_PORT; default %(default)s)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument(
         "--models",
         nargs="+",
         default=[],
         metavar="TYPE=CHECKPOINT[,CHECKPOINT]",
-        help="checkpoints per tab, the first the default: Hub ids, local directories or 'tiny'; TYPE is clone, custom, design or omni "
-        "(e.g. --models clone=Qwen/Qwen3-TTS-12Hz-1.7B-Base custom=Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice,Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)",
+        help=f"checkpoints per tab, the first the default: Hub ids, local directories or 'tiny'; TYPE is {', '.join(TYPE_NAMES.values())} "
+        "(e.g. --models clone=Qwen/Qwen3-TTS-12Hz-1.7B-Base custom=Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice,Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice; "
+        "default: the official checkpoints of every tab)",
     )
-    parser.add_argument("--tiny", action="store_true", help="serve the built-in tiny random checkpoints (noise; for trying the UI offline)")
+    parser.add_argument("--tiny", action="store_true", help="serve the built-in tiny random checkpoints (noise; for trying the UI offline; default: off)")
     parser.add_argument(
         "--rows", type=int, default=None,
         help="utterances each model decodes together (its batch; default 16 on CUDA, 4 on CPU); more wait in a FIFO queue",
     )
-    parser.add_argument("--sessions", default="listening", help="folder of the listening sessions: their files, clips and votes (SQLite)")
+    parser.add_argument("--sessions", default="listening", help="folder of the listening sessions: their files, clips and votes (SQLite) (default %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("QWEN_TTS_API_KEY"),
                         help="key of the HTTP API (/v1/...: speech and Omni chat), sent as 'Authorization: Bearer KEY' (env QWEN_TTS_API_KEY); "
-                        "without one the API answers only when the server listens on localhost")
+                        "without one the API answers only when the server listens on localhost (default: none)")
     parser.add_argument("--backend", default=None, metavar="URL",
                         help="generate on the server at URL instead of in this process: another instance of this app, or vLLM-Omni "
                         "(vllm serve ... --omni); the tabs are those of the models it serves (default: none, the models run here)")
     parser.add_argument("--backend-key", default=os.environ.get("QWEN_TTS_BACKEND_KEY"),
                         help="API key of the --backend server, sent as 'Authorization: Bearer KEY' (env QWEN_TTS_BACKEND_KEY; default: none)")
-    parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link")
+    parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link (default: off)")
     parser.add_argument(
-        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step (faster start, ~2.5x slower frames)"
+        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step (faster start, ~2.5x slower frames; default: compiled; always off on ZeroGPU)"
     )
     return parser
 
@@ -72,9 +73,15 @@ def local_service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--rows takes a number from 1 to 256, not {args.rows}.")
     device = args.device or default_device()
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    service = ModelService(choices, device=device, dtype=dtype, tiny=args.tiny, compiled=device.startswith("cuda") and not args.no_compile, rows=args.rows)
+    zero_gpu = on_zero_gpu()
+    # ZeroGPU does not support torch.compile (https://huggingface.co/docs/hub/spaces-zerogpu).
+    compiled = device.startswith("cuda") and not args.no_compile and not zero_gpu
+    service = ModelService(choices, device=device, dtype=dtype, tiny=args.tiny, compiled=compiled, rows=args.rows)
+    if zero_gpu and not args.tiny and OMNI not in choices:
+        # A ZeroGPU workload has 70 GB of an H200; Qwen3-Omni needs about that in bf16 before its caches.
+        service.choices.pop(OMNI, None)
     service.probe()
-    if on_zero_gpu():
+    if zero_gpu:
         service.preload()
     return service
 

@@ -42,6 +42,8 @@ HUB_CHECKPOINTS: dict[str, tuple[str, ...]] = {
 }
 OMNI = "omni"
 TAB_TYPES = (*MODEL_TYPES, OMNI)  # what --models configures: the three TTS tabs and Omni chat
+# The names users type in --models and read in the help, the README and the banner; TYPE_ALIASES takes them (and the long ones).
+TYPE_NAMES = {"base": "clone", "custom_voice": "custom", "voice_design": "design", OMNI: "omni"}
 TYPE_ALIASES = {"clone": "base", "voice_clone": "base", "custom": "custom_voice", "design": "voice_design"}
 TINY = "tiny"  # the checkpoint name that selects the built-in tiny random checkpoint of a tab's type
 MAX_UPLOAD_BYTES = 50 * 1024 * 1024
@@ -57,8 +59,8 @@ def parse_models(specs: Sequence[str]) -> dict[str, tuple[str, ...]]:
         names = tuple(s.strip() for s in sources.split(",") if s.strip())
         if not sep or kind not in TAB_TYPES or not names:
             raise ValueError(
-                f"--models takes TYPE=CHECKPOINT[,CHECKPOINT...] with TYPE one of {', '.join(TAB_TYPES)} "
-                f"(or clone, custom, design), not '{spec}'."
+                f"--models takes TYPE=CHECKPOINT[,CHECKPOINT...] with TYPE one of {', '.join(TYPE_NAMES.values())} "
+                f"(or {', '.join(t for t in TAB_TYPES if t not in TYPE_NAMES.values())}), not '{spec}'."
             )
         choices[kind] = names
     return choices

@@ -113,7 +113,7 @@ TINY_SIZES = {"base": "0b6", "custom_voice": "1b7", "voice_design": "1b7"}
 GENERATION_CONFIG = {
     "do_sample": True, "temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
     "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_k": 50, "subtalker_top_p": 1.0,
-    "max_new_tokens": 301,
+    "max_new_tokens": 101,  # 100 frames (8 s) by default: their audio is noise (the released checkpoints: 2048)
 }
 
 

@@ -9,15 +9,17 @@ from dataclasses import dataclass
 import gradio as gr
 
 from pipeline.remote import RemoteService
-from pipeline.service import DEFAULT_SCHEDULE, TINY, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
+from pipeline.service import DEFAULT_SCHEDULE, TINY, TYPE_NAMES, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
 from ui.latency import LatencyPanel
+from ui.errors import input_error
 
 Service = ModelService | RemoteService  # models in this process, or a backend's over HTTP: the same methods
 
 DEFAULTS = ModelService.sampling_defaults()  # the reference's defaults, which the official checkpoints ship
 MAX_TEXT_LINES = 8
 FRAMES_PER_SECOND = 12.5
-MAX_SECONDS = 160  # the checkpoints' own limit is 2047 frames (164 s)
+MAX_SECONDS = 160  # the slider's right end, its default: the checkpoint's own limit (2047 frames, 164 s, for the released ones;
+# 100 frames, 8 s, for the tiny random ones, whose noise nobody wants for minutes)
 
 
 @dataclass
@@ -46,7 +48,8 @@ class Advanced:
                     info="Small first chunks give early sound; larger later chunks cost less overhead.",
                     elem_id=f"{name}-schedule",
                 )
-                max_seconds = gr.Slider(1, MAX_SECONDS, value=MAX_SECONDS, step=1, label="Max length (s)", elem_id=f"{name}-max-seconds")
+                max_seconds = gr.Slider(1, MAX_SECONDS, value=MAX_SECONDS, step=1, label="Max length (s)", elem_id=f"{name}-max-seconds",
+                                        info=f"At {MAX_SECONDS}: the checkpoint's own limit (164 s; 8 s for the tiny random checkpoints).")
         return cls(temperature, top_k, top_p, repetition_penalty, seed, schedule, max_seconds)
 
     @property
@@ -69,9 +72,9 @@ class TabParts:
 def sampling_fields(
     temperature: float, top_k: float, top_p: float, penalty: float, seed: float | None, schedule: str, max_seconds: float
 ) -> dict:
-    """The Advanced accordion's values as SpeechRequest fields."""
+    """The Advanced accordion's values as SpeechRequest fields; the max length's default (its right end) is the checkpoint's own."""
     return {
-        "max_frames": max(1, round(float(max_seconds) * FRAMES_PER_SECOND)),
+        "max_frames": None if float(max_seconds) >= MAX_SECONDS else max(1, round(float(max_seconds) * FRAMES_PER_SECOND)),
         "temperature": float(temperature),
         "top_k": int(top_k),
         "top_p": float(top_p),
@@ -152,11 +155,11 @@ def banner_markdown(service: Service) -> str:
             f"{reasons}\n\n"
             "To hear real voices, start the app once with network access (the weights download to the "
             "Hugging Face cache, `~/.cache/huggingface` or `$HF_HOME`), or point `--models` at local "
-            "checkpoint directories, e.g. `--models base=/models/Qwen3-TTS-12Hz-0.6B-Base`; then restart."
+            "checkpoint directories, e.g. `--models clone=/models/Qwen3-TTS-12Hz-0.6B-Base`; then restart."
         )
     tiny_types = [model_type for model_type, choices in service.choices.items() if choices[0] == TINY]
     if tiny_types:
-        which = "every tab" if len(tiny_types) == len(service.choices) else "the " + ", ".join(tiny_types) + " tab(s)"
+        which = "every tab" if len(tiny_types) == len(service.choices) else "the " + ", ".join(TYPE_NAMES.get(t, t) for t in tiny_types) + " tab(s)"
         return (
             "### ⚠️ Random weights: the audio is noise\n"
             f"The app serves the built-in tiny random checkpoints in {which} (`--tiny`, or `tiny` in `--models`), "
@@ -193,7 +196,7 @@ def load_checkpoint(service: Service, model_type: str, checkpoint: str, progress
     try:
         return service.info(model_type, checkpoint)
     except TTSInputError as exc:
-        raise gr.Error(str(exc)) from None
+        raise input_error(exc) from None
 
 
 def model_loader(service: Service, model_type: str):
@@ -234,7 +237,7 @@ def open_stream(stream: Iterator) -> StreamStart:
     try:
         start = next(stream)
     except TTSInputError as exc:
-        raise gr.Error(str(exc)) from None
+        raise input_error(exc) from None
     for warning in start.warnings:
         gr.Warning(warning)
     return start

@@ -21,6 +21,7 @@ import pandas as pd
 
 from pipeline.service import Chunk, Queued, StreamEnd, StreamStart, TTSInputError
 from ui.pcm_stream import CHANNELS, ROUTE, RUN_ID
+from ui.errors import input_error
 
 PLAYER_JS = Path(__file__).with_name("player.js")
 TABLE_HEADERS = ["chunk", "frames", "generate ms", "vocode ms", "ms since request", "RTF"]
@@ -159,7 +160,7 @@ class LatencyPanel:
                     ended = True
                     break
                 if isinstance(item, TTSInputError):  # found after the start (e.g. the engine's queue is full)
-                    raise gr.Error(str(item))
+                    raise input_error(item)
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, StreamEnd):

@@ -11,6 +11,7 @@ import pandas as pd
 
 from pipeline.errors import TTSInputError
 from pipeline.listening import NO_PREFERENCE, SessionError, Sessions, TrialView, Vote, VoteError
+from ui.errors import input_error
 
 NAME = "listening"
 MAX_CONDITIONS = 8  # MUSHRA conditions shown at once (the hidden reference and the anchor included)
@@ -94,7 +95,7 @@ def _listen_view(sessions: Sessions) -> ListenParts:
         try:
             return show(sessions.trial(name.strip(), who.strip()))
         except (SessionError, VoteError) as exc:
-            raise gr.Error(str(exc)) from None
+            raise input_error(exc) from None
 
     def played(view: TrialView | None, counts: dict, key: str):
         counts = {**(counts or {}), key: (counts or {}).get(key, 0) + 1}
@@ -103,19 +104,19 @@ def _listen_view(sessions: Sessions) -> ListenParts:
 
     def vote(name: str, who: str, view: TrialView | None, counts: dict, answer, sure, note, *values):
         if view is None:
-            raise gr.Error("Press Start or resume first.")
+            raise input_error("Press Start or resume first.")
         if view.test == "mushra":
             ballot = Vote(who.strip(), view.index, scores={str(i): values[i] for i in range(len(view.clips))}, plays=counts, comment=note or "",
                           confidence=int(sure) if sure else None)
         else:
             if answer is None:
-                raise gr.Error("Choose an answer first.")
+                raise input_error("Choose an answer first.")
             ballot = Vote(who.strip(), view.index, CHOICES.get(answer, answer), plays=counts, comment=note or "", confidence=int(sure) if sure else None)
         try:
             return show(sessions.vote(name.strip(), ballot), "vote saved")
         except VoteError as exc:
             if "already answered" not in str(exc):
-                raise gr.Error(str(exc)) from None
+                raise input_error(exc) from None
             gr.Warning(str(exc))  # answered in another tab: move on to what is left
             return show(sessions.trial(name.strip(), who.strip()))
 
@@ -229,7 +230,7 @@ def _organize_view(sessions: Sessions) -> None:
         try:
             session = sessions.check(source)
         except SessionError as exc:
-            raise gr.Error(str(exc)) from None
+            raise input_error(exc) from None
         return f"✔ `{session.name}`: {session.test.upper()}, {len(session.systems)} systems, {len(session.items)} items, " \
                f"{session.trials_per_listener} trials per listener."
 
@@ -238,7 +239,7 @@ def _organize_view(sessions: Sessions) -> None:
             session = sessions.save(source)
             clips = sessions.render(session.name, lambda done, total: progress(done / max(total, 1), desc=f"Rendering clip {done} of {total}"))
         except TTSInputError as exc:  # a bad file, or a checkpoint this app does not serve
-            raise gr.Error(str(exc)) from None
+            raise input_error(exc) from None
         return f"✔ `{session.name}` saved; {clips} clips ready. " + share_link(session.name), gr.update(choices=sessions.names(), value=session.name)
 
     def opened(name: str) -> str:

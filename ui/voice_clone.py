@@ -11,6 +11,7 @@ import gradio as gr
 from pipeline.errors import TTSInputError
 from pipeline.service import SpeechRequest, VoiceInfo
 from ui import controls
+from ui.errors import input_error
 from ui.latency import LatencyPanel
 
 NAME = "clone"
@@ -83,7 +84,7 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
         try:
             info = service.load_voice_file(name, voice_file)
         except TTSInputError as exc:
-            raise gr.Error(str(exc)) from None
+            raise input_error(exc) from None
         return saved_voice_status(Path(voice_file).name, info), gr.update(value=None, interactive=False)
 
     def prepare(name, ref, transcript, xvec) -> tuple[str, dict]:
