@@ -164,7 +164,7 @@ def test_an_omni_reply_equals_the_backends(backend, reference_wav, spoken):
 def test_stop_ends_an_omni_reply_and_frees_the_talker_row(backend):
     remote, service = backend
     engine = service.model("omni", TINY).engine
-    stream = remote.chat(chat_request(max_new_tokens=2000), TINY, "session:omni:run")
+    stream = remote.chat(chat_request(max_new_tokens=1000), TINY, "session:omni:run")
     next(item for item in stream if isinstance(item, Chunk))  # the talker's row speaks
     assert any(engine.slots)
     assert remote.stop("session:omni:run")
