@@ -52,9 +52,9 @@ class ThinkerSampling:
 
 
 class StaticKV:
-    """A conversation's keys and values for every layer in fixed buffers; each `update` (called by
-    transformers' attention) writes at `position`, a device tensor, so a graph replay writes where
-    the conversation stands without the host telling it."""
+    """Keys and values of every layer in fixed buffers; each `update` (called by transformers'
+    attention) writes at `index`, a device tensor: a conversation's `position`, so that a graph
+    replay writes where it stands without the host telling it, or a prompt's positions."""
 
     def __init__(self, layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device):
         self.keys = torch.zeros(layers, 1, heads, max_len, head_dim, dtype=dtype, device=device)
@@ -78,10 +78,9 @@ class _Slot:
     """One conversation's place in the thinker: its cache, its next token and rope position, and
     the one-token step over them (graphed on CUDA)."""
 
-    def __init__(self, thinker: "Thinker", index: int, max_len: int):
+    def __init__(self, thinker: "Thinker", max_len: int):
         config = thinker.model.config.text_config
         weight = thinker.model.get_input_embeddings().weight
-        self.index = index
         self.kv = StaticKV(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_len, weight.dtype, weight.device)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
         self.rope_position = torch.zeros(1, dtype=torch.long, device=weight.device)
@@ -135,7 +134,7 @@ class Thinker:
         self.device, self.vocab = weight.device, model.lm_head.weight.shape[0]
         self.key_positions = torch.arange(max_len, device=self.device)
         self.masked = torch.tensor(torch.finfo(weight.dtype).min, dtype=weight.dtype, device=self.device)
-        self.slots = [_Slot(self, index, max_len) for index in range(slots)]
+        self.slots = [_Slot(self, max_len) for _ in range(slots)]
         # Prompts go through graphs per length bucket (zero-padded; causal masking keeps the padding out
         # of every real position) into one staging cache, then into the conversation's slot.
         config = model.config.text_config
