@@ -237,6 +237,35 @@ def test_a_client_that_goes_away_frees_its_row(served):
     assert not any(engine.slots)  # stopped long before its ~4000 frames
 
 
+def test_a_client_that_gives_up_on_a_whole_reply_frees_its_row(served):
+    """A reply asked for in one piece is stopped when its client disconnects before it is ready,
+    rather than speaking its ~2,000 frames for nobody."""
+    import threading
+
+    client, service = served
+    engine = service.model("omni").engine
+    outcome = []
+
+    def ask() -> None:
+        try:
+            client.post("/v1/chat/completions", json=body(max_tokens=1000), timeout=httpx.Timeout(60, read=1.5))
+        except httpx.ReadTimeout:
+            outcome.append("gave up")
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    deadline = time.monotonic() + 10
+    while not any(engine.slots) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert any(engine.slots)  # the talker's row is speaking
+    asking.join()
+    assert outcome == ["gave up"]
+    deadline = time.monotonic() + 5
+    while any(engine.slots) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(engine.slots)
+
+
 def test_the_api_key_and_a_public_server(served):
     from starlette.applications import Starlette
     from starlette.testclient import TestClient

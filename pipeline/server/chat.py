@@ -87,7 +87,7 @@ def chat_routes(service: ModelService, access: Access | None = None) -> list[Rou
     access = access or Access()
 
     async def completions(request: Request) -> Response:
-        return await serve(request, access, lambda data: parse_chat(data, service), lambda call, done: _respond(call, service, done))
+        return await serve(request, access, lambda data: parse_chat(data, service), lambda call, key, done: _respond(call, service, key, done), service.stop)
 
     return [Route("/v1/chat/completions", completions, methods=["POST"])]
 
@@ -245,8 +245,7 @@ def _audio_part(part: dict, number: int) -> np.ndarray:
         raise ApiError(400, str(exc), "messages") from None
 
 
-def _respond(call: ChatCall, service: ModelService, done: Callable[[], None]) -> Response:
-    key = f"api:{uuid.uuid4().hex}"  # stopped by key when the client goes away, which frees the talker's row
+def _respond(call: ChatCall, service: ModelService, key: str, done: Callable[[], None]) -> Response:
     events = service.chat(call.request, call.checkpoint, key)
     try:
         start = next(events)  # the request checked against the checkpoint (voice, control tokens, length) before any work

@@ -7,6 +7,7 @@ import hmac
 import io
 import json
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +23,7 @@ from pipeline.errors import EngineBusy, TTSInputError
 from pipeline.service import MAX_UPLOAD_BYTES, ModelService
 
 SAMPLE_RATE = 24000
+DISCONNECT_POLL_S = 0.1  # how often a whole (not streamed) response looks for its client having gone
 Call = TypeVar("Call")
 
 
@@ -78,12 +80,13 @@ def input_error(exc: TTSInputError) -> ApiError:
 
 
 async def serve(request: Request, access: Access, parse: Callable[[dict], Call],
-                respond: Callable[[Call, Callable[[], None]], Response]) -> Response:
+                respond: Callable[[Call, str, Callable[[], None]], Response], stop: Callable[[str], bool]) -> Response:
     """One API call: access, the body checked by `parse` before any work, a place among the client's
     requests in flight, then `respond(call, leave)`. Both run on a worker thread (decoding audio and
     generating would block the server's event loop, the UI's included). ApiErrors become JSON errors.
     A streamed response gives its place back when its last byte is sent or its client goes away
-    (through `leave`); any other response here."""
+    (through `leave`); any other response here. The request runs under a key of its own: a client
+    that goes away before a whole (not streamed) response is ready has it stopped by `stop(key)`."""
     client = request.client.host if request.client else "?"
     try:
         access.check(request)
@@ -93,7 +96,8 @@ async def serve(request: Request, access: Access, parse: Callable[[dict], Call],
     streaming = False
     try:
         call = await run_in_threadpool(parse, await json_body(request))
-        response = await run_in_threadpool(respond, call, partial(access.leave, client))
+        response = await _unless_gone(request, partial(respond, call, key := f"api:{uuid.uuid4().hex}", partial(access.leave, client)),
+                                      partial(stop, key))
         streaming = isinstance(response, StreamingResponse)
         return response
     except ApiError as exc:
@@ -101,6 +105,28 @@ async def serve(request: Request, access: Access, parse: Callable[[dict], Call],
     finally:
         if not streaming:
             access.leave(client)
+
+
+async def _unless_gone(request: Request, respond: Callable[[], Response], stop: Callable[[], bool]) -> Response:
+    """`respond()` on a worker thread, stopped if the client disconnects meanwhile (a whole reply
+    would otherwise hold its engine row until its last frame for nobody)."""
+    async with anyio.create_task_group() as tasks:
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await anyio.sleep(DISCONNECT_POLL_S)
+            await run_in_threadpool(stop)
+
+        tasks.start_soon(watch)
+        try:
+            response = await run_in_threadpool(respond)
+        except Exception as exc:  # raised from here, not inside the task group (which would wrap it in an ExceptionGroup)
+            failure = exc
+        else:
+            failure = None
+        tasks.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return response
 
 
 async def json_body(request: Request) -> dict:

@@ -18,7 +18,6 @@ import base64
 import binascii
 import struct
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +59,7 @@ def speech_routes(service: ModelService, access: Access | None = None) -> list[R
     access = access or Access()
 
     async def speech(request: Request) -> Response:
-        return await serve(request, access, lambda data: parse_speech(data, service), lambda call, done: _respond(call, service, done))
+        return await serve(request, access, lambda data: parse_speech(data, service), lambda call, key, done: _respond(call, service, key, done), service.stop)
 
     async def models(request: Request) -> Response:
         try:
@@ -212,8 +211,7 @@ def _base64(encoded: str, field: str) -> bytes:
     return content
 
 
-def _respond(call: SpeechCall, service: ModelService, done: Callable[[], None]) -> Response:
-    key = f"api:{uuid.uuid4().hex}"  # Stop by key: the client going away frees the engine's row
+def _respond(call: SpeechCall, service: ModelService, key: str, done: Callable[[], None]) -> Response:
     stream = service.stream(call.request, key)
     try:
         start = next(stream)  # validation against the checkpoint (speaker, language, reference audio)
