@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import shutil
 import struct
 import tempfile
 from collections.abc import Callable, Iterator
@@ -182,9 +183,10 @@ def _reference_file(encoded) -> Path:
         raise ApiError(400, "Base (voice clone) needs 'ref_audio': a recording as base64 (a data: URL or plain base64), or 'voice_prompt': a saved voice.",
                        "ref_audio")
     audio = _base64(encoded, "ref_audio")
-    with tempfile.NamedTemporaryFile(prefix="ref-", suffix=".audio", delete=False) as f:
-        f.write(audio)
-    return Path(f.name)
+    # Named after the field, in a folder of its own: a message about the file names what the client sent.
+    path = Path(tempfile.mkdtemp(prefix="api-ref-")) / "ref_audio"
+    path.write_bytes(audio)
+    return path
 
 
 def _saved_voice(data: dict) -> bytes:
@@ -259,4 +261,4 @@ def _task_name(model_type: str) -> str:
 
 def _remove(path: Path | None) -> None:
     if path is not None:
-        path.unlink(missing_ok=True)
+        shutil.rmtree(path.parent, ignore_errors=True)
