@@ -45,6 +45,8 @@ TAB_TYPES = (*MODEL_TYPES, OMNI)  # what --models configures: the three TTS tabs
 # The names users type in --models and read in the help, the README and the banner; TYPE_ALIASES takes them (and the long ones).
 TYPE_NAMES = {"base": "clone", "custom_voice": "custom", "voice_design": "design", OMNI: "omni"}
 TYPE_ALIASES = {"clone": "base", "voice_clone": "base", "custom": "custom_voice", "design": "voice_design"}
+# The HTTP API's names for the model types (vllm-omni's Qwen3-TTS task_type values; "Omni" is ours).
+API_TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base", "Omni": OMNI}
 TINY = "tiny"  # the checkpoint name that selects the built-in tiny random checkpoint of a tab's type
 MAX_UPLOAD_BYTES = 50 * 1024 * 1024
 VOICE_PROMPT_CACHE = 32  # voice prompts kept (a few kB to a few hundred kB each)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 
 from pipeline.errors import BackendUnavailable, TTSInputError
+from pipeline.service import API_TASK_TYPES
 
 CONNECT_TIMEOUT_S = 10.0
 # A backend that sends nothing for this long is taken as gone. Generous: a request may wait in the
@@ -22,8 +23,7 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0
 LOAD_TIMEOUT_S = 1800.0  # a first use that downloads and loads a checkpoint on the backend
 KEY_HINT = "give the backend's key with --backend-key (or QWEN_TTS_BACKEND_KEY)"
-TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base", "Omni": "omni"}  # as this app lists them
-TASK_NAMES = {kind: name for name, kind in TASK_TYPES.items()}
+TASK_NAMES = {kind: name for name, kind in API_TASK_TYPES.items()}
 # vLLM-Omni names a Qwen3-TTS checkpoint's task at the end of its name (as its own adapter reads it).
 VARIANT = re.compile(r"(custom[-_.]?voice|voice[-_.]?design|base)$")
 
@@ -94,7 +94,7 @@ def model_type_of(entry: dict) -> str | None:
     """The tab a /v1/models entry serves: this app says it (`task_type`); vLLM-Omni's entries are named
     like the checkpoint they serve (`id`, else `root`, the path it was loaded from); None if neither."""
     if "task_type" in entry:
-        return TASK_TYPES.get(entry["task_type"])
+        return API_TASK_TYPES.get(entry["task_type"])
     for name in (entry.get("id"), entry.get("root")):
         last = str(name or "").rstrip("/").split("/")[-1].lower()
         if "qwen3-omni" in last:

@@ -33,13 +33,11 @@ from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.request import SpeechRequest
 from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, input_error, pcm16, serve, until_gone
-from pipeline.service import OMNI, TINY, ModelService, StreamEnd, StreamStart
+from pipeline.service import API_TASK_TYPES, OMNI, TINY, ModelService, StreamEnd, StreamStart
 
 MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
 STREAMED_FORMATS = ("pcm", "wav")
-TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
-# What /v1/models lists: the speech tasks, and Qwen3-Omni (served by /v1/chat/completions) under a task of its own.
-LISTED_TASKS = {**TASK_TYPES, "Omni": OMNI}
+TASK_TYPES = {name: kind for name, kind in API_TASK_TYPES.items() if kind != OMNI}  # what /v1/audio/speech speaks
 FIELDS = {"model", "input", "voice", "response_format", "speed", "stream", "stream_format", "task_type", "language", "instructions", "ref_audio",
           "ref_text", "x_vector_only_mode", "voice_prompt", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "repetition_penalty",
           "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "schedule"}
@@ -67,7 +65,7 @@ def speech_routes(service: ModelService, access: Access | None = None) -> list[R
             access.check(request)
         except ApiError as exc:
             return exc.response()
-        data = [model_entry(service, kind, checkpoint) for kind, checkpoints in service.choices.items() if kind in LISTED_TASKS.values()
+        data = [model_entry(service, kind, checkpoint) for kind, checkpoints in service.choices.items() if kind in API_TASK_TYPES.values()
                 for checkpoint in checkpoints]
         return JSONResponse({"object": "list", "data": data})
 
@@ -151,11 +149,11 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
 
 def _served(model: str, task: str | None, service: ModelService) -> tuple[str, str]:
     """(model type, checkpoint) of a listed checkpoint named by id (and task, where an id serves several)."""
-    if task is not None and task not in LISTED_TASKS:
-        raise ApiError(400, f"'task_type' is one of {', '.join(LISTED_TASKS)}, not '{task}'.", "task_type")
-    kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in LISTED_TASKS.values()]
+    if task is not None and task not in API_TASK_TYPES:
+        raise ApiError(400, f"'task_type' is one of {', '.join(API_TASK_TYPES)}, not '{task}'.", "task_type")
+    kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in API_TASK_TYPES.values()]
     if task is not None:
-        kinds = [kind for kind in kinds if kind == LISTED_TASKS[task]]
+        kinds = [kind for kind in kinds if kind == API_TASK_TYPES[task]]
     if not kinds:
         raise ApiError(404, f"Model '{model}' is not served here{f' for {task}' if task else ''} (GET /v1/models lists them).", "model")
     if len(kinds) > 1:
@@ -256,7 +254,7 @@ def wav_header(data_bytes: int) -> bytes:
 
 
 def _task_name(model_type: str) -> str:
-    return next(name for name, kind in LISTED_TASKS.items() if kind == model_type)
+    return next(name for name, kind in API_TASK_TYPES.items() if kind == model_type)
 
 
 def _remove(path: Path | None) -> None:
