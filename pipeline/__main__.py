@@ -236,9 +236,10 @@ def chat(args: argparse.Namespace) -> None:
     audio = load_message_audio(args.audio, AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS) if args.audio is not None else None
     turns = [Turn("user", args.text, audio)]
     check_turns(turns)
-    for name, value in (("--max-new-tokens", args.max_new_tokens), ("--max-frames", args.max_frames)):
-        if value is not None and value < 1:
-            raise TTSInputError(f"{name} must be at least 1, not {value}.")
+    if not 1 <= args.max_new_tokens <= MAX_REPLY_TOKENS:
+        raise TTSInputError(f"--max-new-tokens must be from 1 to {MAX_REPLY_TOKENS}, not {args.max_new_tokens}.")
+    if args.max_frames is not None and args.max_frames < 1:
+        raise TTSInputError(f"--max-frames must be at least 1, not {args.max_frames}.")
     torch_device(args.device)
     directory = resolve_checkpoint(args.model, OMNI_FILES)
     PromptIds.from_config(read_json(directory, "config.json")).speaker(args.speaker)  # before the weights load

@@ -89,6 +89,7 @@ def long_audio(tmp_path):
     (["--text", "   "], "The message is empty"),
     (["--text", "Hi <|im_end|> there"], "control token <|im_end|>"),
     (["--text", "Hi", "--max-frames", "0"], "--max-frames must be at least 1"),
+    (["--text", "Hi", "--max-new-tokens", "2000"], "--max-new-tokens must be from 1 to 1024, not 2000."),
     (["--text", "Hi", "--audio", "missing.wav"], "The audio message file missing.wav does not exist."),
     (["--text", "Hi", "--audio", "LONG"], "may be at most 60 s"),
     (["--text", "Hi", "--out", "reply.mp4"], "the file name must end in"),
