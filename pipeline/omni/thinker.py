@@ -140,8 +140,6 @@ class Thinker:
         config = model.config.text_config
         self.buckets = [b for b in PREFILL_BUCKETS if b < max_len] or [max_len]
         self.staging = StaticKV(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.buckets[-1], weight.dtype, self.device)
-        self.staging_positions = torch.arange(self.buckets[-1], device=self.device)
-        self.bucket_positions = {b: torch.arange(b, device=self.device) for b in self.buckets}
         self.prefill_in = torch.zeros(1, self.buckets[-1], config.hidden_size, dtype=weight.dtype, device=self.device)
         self.prefill_mid = torch.zeros_like(self.prefill_in)
         graphs = self.device.type == "cuda"
@@ -261,9 +259,9 @@ class Thinker:
         holds), writing keys and values into the staging cache; the lower part reads the input
         embeddings and leaves its output where the upper part reads it."""
         text = self.model.model
-        positions = self.bucket_positions[bucket]
+        positions = self.key_positions[:bucket]
         self.staging.index = positions
-        mask = torch.where(self.staging_positions[None, :] <= positions[:, None], 0.0, self.masked).to(self.masked.dtype)
+        mask = torch.where(self.key_positions[None, :self.buckets[-1]] <= positions[:, None], 0.0, self.masked).to(self.masked.dtype)
         hidden = self.prefill_in[:, :bucket] if first == 0 else self.prefill_mid[:, :bucket]
         position_ids = positions.view(1, 1, -1).expand(3, 1, -1)
         rope = text.rotary_emb(hidden, position_ids)
