@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="API key of the --backend server, sent as 'Authorization: Bearer KEY' (env QWEN_TTS_BACKEND_KEY; default: none)")
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link (default: off)")
     parser.add_argument(
-        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step (faster start, ~2.5x slower frames; default: compiled; always off on ZeroGPU)"
+        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step's sampling, code embeddings and prefill, and of Omni's talker step (faster start, slower frames; the TTS layers run in fused Triton kernels either way; default: compiled; always off on ZeroGPU)"
     )
     return parser
 

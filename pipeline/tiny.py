@@ -272,19 +272,22 @@ def _scale_decoder_output_(model: SpeechTokenizer, g: torch.Generator) -> None:
 
 
 @torch.no_grad()
-def write_tiny_speech_tokenizer(directory: Path, seed: int, config: dict | None = None) -> None:
+def write_tiny_speech_tokenizer(directory: Path, seed: int, config: dict | None = None, calibrate: bool = True) -> None:
     """Write `directory/speech_tokenizer/{config.json, preprocessor_config.json, model.safetensors}`:
     a tiny random codec in the official layout, loadable by ours and by the reference.
 
-    `config`: the config.json to write instead of TINY_SPEECH_TOKENIZER_CONFIG (e.g. a variant of it)."""
+    `config`: the config.json to write instead of TINY_SPEECH_TOKENIZER_CONFIG (e.g. a variant of it).
+    `calibrate=False` skips spreading the codebooks and scaling the output (which run the codec on
+    the CPU: half a minute at the real size), for checkpoints that only time the codec."""
     from safetensors.torch import save_file
 
     config = TINY_SPEECH_TOKENIZER_CONFIG if config is None else config
     model = SpeechTokenizer(SpeechTokenizerConfig.from_dict(config))
     g = torch.Generator().manual_seed(seed)
     randomize_speech_tokenizer_(model, g)
-    _spread_encoder_codebooks_(model, g)
-    _scale_decoder_output_(model, g)
+    if calibrate:
+        _spread_encoder_codebooks_(model, g)
+        _scale_decoder_output_(model, g)
 
     out = Path(directory) / "speech_tokenizer"
     out.mkdir(parents=True, exist_ok=True)

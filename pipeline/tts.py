@@ -67,6 +67,7 @@ class TTS:
         compiled: bool = False,
         max_queue: int = 64,
         vocoder_lanes: int | None = None,
+        fused: bool | None = None,
     ):
         self.model = model
         self.config = model.config
@@ -80,7 +81,7 @@ class TTS:
         self.rows = rows or DEFAULT_ROWS.get(self.device.type, 4)
         with torch.inference_mode():
             tts_pad = model.talker.embed_text(torch.tensor([[self.config.tts_pad_token_id]], device=self.device))[0, 0]
-            decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled)
+            decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled, fused=fused)
             lanes = vocoder_lanes or VOCODER_LANES.get(self.device.type, 1)
             vocoder = speech_tokenizer.multi_stream_decoder(self.rows, use_cuda_graphs, lanes)
             self.engine = Engine(decoder, vocoder, max_queue=max_queue)

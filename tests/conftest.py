@@ -1,4 +1,5 @@
 import importlib.util
+import os
 import socket
 import struct
 import sys
@@ -9,6 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
+
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    # The fused decode kernels (pipeline/kernels) run in Triton's interpreter on a machine without a GPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if importlib.util.find_spec("torchaudio") is None:
     # Import-only placeholder for the reference package; see tests/reference_shims/torchaudio/__init__.py.

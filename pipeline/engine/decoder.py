@@ -20,8 +20,9 @@ from functools import partial
 import torch
 
 from pipeline.graphs import CUDAGraphed
+from pipeline.kernels import fused_available, fused_decode, fused_supported
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
-from pipeline.model import Talker
+from pipeline.model import Talker, Transformer
 
 MIN_NEW_TOKENS = 2  # Qwen3-TTS's reference masks EOS for the first two codebook-0 tokens (Qwen3-Omni's: none)
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompts are zero-padded to one of these lengths
@@ -32,7 +33,9 @@ GENERATION_PRIORITY = -1
 
 class BatchDecoder:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False,
-                 min_new_tokens: int = MIN_NEW_TOKENS):
+                 min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None):
+        """`fused`: the transformer layers of the step in the Triton kernels of pipeline.kernels
+        (default: on CUDA where Triton is installed); elsewhere the modules' own step, compiled if `compiled`."""
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
@@ -50,7 +53,9 @@ class BatchDecoder:
         self.suppressed[self.eos_id] = False
         self.tts_pad = tts_pad.to(device=device, dtype=dtype)
         self.all_rows = torch.arange(rows, device=device)
-        self.cp_pos = torch.arange(config.num_code_groups, device=device).expand(rows, -1)
+        # Positions of each code-predictor step, [rows, 2] then [rows, 1]s, contiguous (the fused step reads them flat).
+        cp_pos = torch.arange(config.num_code_groups, device=device).expand(rows, -1)
+        self.cp_positions = [cp_pos[:, : 2].contiguous()] + [cp_pos[:, h + 1 : h + 2].contiguous() for h in range(1, self.sub_steps)]
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -75,18 +80,19 @@ class BatchDecoder:
         self.codes = zeros(rows, config.num_code_groups)
         self.produced = zeros(rows, dtype=torch.bool)
 
-        self.talker_decode = talker.model.decode
-        self.predictor_decode = talker.code_predictor.model.decode
+        self.fused = fused_available(device) if fused is None else fused
+        self.talker_decode = self._decode_step(talker.model, compiled)
+        self.predictor_decode = self._decode_step(talker.code_predictor.model, compiled)
         self.talker_prefill = talker.model.prefill
         self.talker_extend = talker.model.extend
         self.sample, self.noise = sample_rows, exponential_noise
+        self.embed_codes = talker.embed_codes
         if compiled:
             # Every model in the process adds entries to dynamo's cache; the default limit of 8 would stop the third.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             options = dict(fullgraph=True, dynamic=False)
-            self.talker_decode = torch.compile(self.talker_decode, **options)
-            self.predictor_decode = torch.compile(self.predictor_decode, **options)
             self.sample, self.noise = torch.compile(sample_rows, **options), torch.compile(exponential_noise, **options)
+            self.embed_codes = torch.compile(talker.embed_codes, **options)  # 16 lookups and their sum: one kernel
             # One compile for every bucket length (eager, a prefill is ~50 kernels per layer: 4.7 ms
             # of GPU time for 60 positions of the 0.6B on an H200, a stall for the running rows).
             self.talker_prefill = torch.compile(talker.model.prefill, fullgraph=True, dynamic=True)
@@ -100,6 +106,12 @@ class BatchDecoder:
         self.extend_in = zeros(1, 1, config.hidden_size, dtype=dtype)
         self.extend_pos = zeros(1, 1)
         self.extend_graph = CUDAGraphed(self._extend_one, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
+
+    def _decode_step(self, model: Transformer, compiled: bool):
+        """`model`'s decode step: the fused kernels where asked for and they apply (dense layers), else the module's own."""
+        if self.fused and fused_supported(model):
+            return partial(fused_decode, model)
+        return torch.compile(model.decode, fullgraph=True, dynamic=False) if compiled else model.decode
 
     # ---- rows joining, waiting and leaving ---------------------------------------------------
 
@@ -241,9 +253,7 @@ class BatchDecoder:
         for head in range(self.sub_steps):
             if head:
                 embeds = predictor.model.codec_embedding[head - 1](codes[-1])[:, None]
-            start = 0 if head == 0 else head + 1
-            positions = self.cp_pos[:, start : head + 2]
-            hidden = self.predictor_decode(project(embeds), positions)[:, -1]
+            hidden = self.predictor_decode(project(embeds), self.cp_positions[head])[:, -1]
             codes.append(self.sample(predictor.logits(hidden, head).float(), self.sub_sampling, noise[:, head]))
         return torch.stack(codes, dim=1)
 
@@ -252,7 +262,7 @@ class BatchDecoder:
         codes = self._predict_codebooks()
         has_text = self.frame < self.text_len
         text = self.trailing[self.all_rows, self.frame.clamp(max=self.max_seq - 1)]
-        embeds = self.talker.embed_codes(codes) + torch.where(has_text[:, None], text, self.tts_pad)
+        embeds = self.embed_codes(codes) + torch.where(has_text[:, None], text, self.tts_pad)
         hidden = self.talker_decode(embeds[:, None], self.pos[:, None])[:, -1]
         before = self.seen.clone()
         token = self._next_token(self.talker.codec_head(hidden), slice(None), self.frame + 1)

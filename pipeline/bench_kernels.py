@@ -1,0 +1,289 @@
+"""The fused decode step against the unfused one, on the GPU: `python -m pipeline.bench_kernels`.
+
+Random weights at the real sizes (pipeline.bench.random_tts), bf16, CUDA graphs. For each size:
+the decode step's ms per frame and kernels per frame, unfused (the modules' step, torch.compile'd)
+and fused (pipeline.kernels), in an engine of 1 row and of 16 rows at 1 / 8 / 16 rows running;
+where the fused frame's time goes (kernel time by kind, and the launch gaps between kernels);
+and how near the two are numerically: in float32 the codes must be identical, in bf16 the share
+of equal codes and the waveform error over one utterance.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.bench import RUNS, SIZES, random_tts, request, step_ms, write_report
+from pipeline.kernels.decode import Tiles
+from pipeline.tts import TTS
+
+KINDS = (  # (kind, substrings of kernel names), first match wins
+    ("q/k/v + norms + RoPE + cache write", ("_qkv_kernel",)),
+    ("attention", ("_attention_kernel",)),
+    ("projections (o, gate/up, down)", ("_linear_kernel",)),
+    ("final norms", ("_rms_norm_kernel",)),
+    ("heads and embeddings (cuBLAS, gathers)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "index", "embedding")),
+    ("sampling and step glue (inductor)", ("triton_", "sort", "scan", "softmax", "reduce")),
+)
+
+
+def profile_step(tts: TTS) -> dict:
+    """Kernels of one decode step by kind: count and GPU ms; the rest of the step's time is launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder = tts.engine.decoder
+    decoder.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decoder.step()
+        torch.cuda.synchronize()
+    kinds: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type.name != "CUDA" or "Memcpy" in event.name or "Memset" in event.name:
+            continue
+        kind = next((k for k, names in KINDS if any(n in event.name for n in names)), "other")
+        kinds.setdefault(kind, []).append(event.device_time / 1000.0)
+    return {k: {"kernels": len(v), "ms": sum(v)} for k, v in kinds.items()}
+
+
+def occupied_step_ms(tts: TTS) -> dict[int, float]:
+    return {n: step_ms(tts, n) for n in sorted({1, 8, tts.rows}) if n <= tts.rows}
+
+
+def codes_and_audio(tts: TTS, greedy: bool, frames: int) -> tuple[np.ndarray, np.ndarray]:
+    result = tts.synthesize(request(frames, seed=7, greedy=greedy))
+    return result.codes, result.audio
+
+
+def nearness(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> dict:
+    codes_a, codes_b = a[0], b[0]
+    frames = min(len(codes_a), len(codes_b))
+    differ = np.flatnonzero((codes_a[:frames] != codes_b[:frames]).any(axis=1))
+    samples = min(len(a[1]), len(b[1]))
+    error = np.linalg.norm(a[1][:samples] - b[1][:samples]) / max(np.linalg.norm(a[1][:samples]), 1e-12)
+    return {
+        "identical": bool(np.array_equal(codes_a, codes_b)),
+        "equal_code_share": float((codes_a[:frames] == codes_b[:frames]).mean()),
+        "first_differing_frame": int(differ[0]) if len(differ) else None,
+        "waveform_relative_l2": float(error),
+    }
+
+
+def bench_size(size: str, workdir: Path, frames: int, variants: tuple[str, ...]) -> dict:
+    """Step timings of each variant ("unfused", "fused": compiled, CUDA graphs) and the nearness of
+    their bf16 codes; "unfused eager" (not compiled: other kernels, other rounding order) gives the
+    spread that any change of kernels causes, against which the fused step's is read."""
+    result: dict = {}
+    outputs: dict = {}
+    for name in variants:
+        fused, compiled = name == "fused", name != "unfused eager"
+        tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, compiled=compiled, fused=fused)
+        outputs[name] = {greedy: codes_and_audio(tts, greedy, frames) for greedy in (True, False)}
+        if compiled:
+            result[f"{name}_rows_1"] = step_ms(tts, 1)
+            result[f"{name}_profile_rows_1"] = profile_step(tts)
+            del tts
+            tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, compiled=True, fused=fused)
+            result[f"{name}_rows_16"] = occupied_step_ms(tts)
+            print(size, name, result[f"{name}_rows_1"], result[f"{name}_rows_16"], flush=True)
+        del tts
+        torch.cuda.empty_cache()
+    if "unfused" in outputs:
+        result["bf16"] = {name: {("greedy" if g else "sampled"): nearness(outputs["unfused"][g], outputs[name][g]) for g in (True, False)}
+                          for name in outputs if name != "unfused"}
+    return result
+
+
+def float32_identity(workdir: Path, frames: int) -> dict:
+    """Codes of the unfused and the fused step in float32 (CUDA graphs, not compiled): must be identical."""
+    outputs = {}
+    for fused in (False, True):
+        tts = random_tts("0.6B", "custom_voice", "cuda", torch.float32, workdir, rows=2, fused=fused)
+        outputs[fused] = {greedy: codes_and_audio(tts, greedy, frames) for greedy in (True, False)}
+        del tts
+        torch.cuda.empty_cache()
+    return {("greedy" if g else "sampled"): nearness(outputs[False][g], outputs[True][g]) for g in (True, False)}
+
+
+def markdown(report: dict) -> str:
+    sizes = report["sizes"]
+    lines = [f"### {report['gpu']} — {report['date']}", "", f"torch {report['torch']}. Command: `{report['command']}`", "",
+             "| decode step ms per frame (bf16, CUDA graph) | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
+    labels = [("engine of 1 row", "rows_1", None)] + [(f"engine of 16 rows, {n} running", "rows_16", n) for n in (1, 8, 16)]
+    for name in ("unfused", "fused"):
+        for label, key, n in labels:
+            values = [r.get(f"{name}_{key}") for r in sizes.values()]
+            if all(v is not None for v in values):
+                lines.append(f"| {name}, {label} | " + " | ".join(f"{v if n is None else v[n]:.2f}" for v in values) + " |")
+    for size, r in sizes.items():
+        for name in ("unfused", "fused"):
+            profile = r.get(f"{name}_profile_rows_1")
+            if not profile:
+                continue
+            busy = sum(v["ms"] for v in profile.values())
+            lines += ["", f"Where the {name} frame's time goes ({size}, engine of 1 row, {r[f'{name}_rows_1']:.2f} ms):", "",
+                      "| kind | kernels | GPU ms |", "|---|---|---|"]
+            for kind, v in sorted(profile.items(), key=lambda kv: -kv[1]["ms"]):
+                lines.append(f"| {kind} | {v['kernels']} | {v['ms']:.3f} |")
+            lines.append(f"| **all kernels** | {sum(v['kernels'] for v in profile.values())} | {busy:.3f} |")
+            lines.append(f"| launch gaps (frame - kernel time) | | {r[f'{name}_rows_1'] - busy:.3f} |")
+        lines.append("")
+        for name, modes in r.get("bf16", {}).items():
+            for mode, near in modes.items():
+                lines.append(f"{size} bf16 {mode}, {name} against unfused (compiled): {100 * near['equal_code_share']:.1f}% of codes equal, "
+                             f"first differing frame {near['first_differing_frame']}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
+    if report.get("float32"):
+        lines += ["", "float32 (0.6B): " + ", ".join(f"{mode}: codes {'identical' if n['identical'] else 'NOT identical'}"
+                                                     for mode, n in report["float32"].items()), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench_kernels")
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--frames", type=int, default=200, help="frames of the utterance compared between the variants")
+    parser.add_argument("--variants", nargs="+", default=["unfused", "unfused eager", "fused"], choices=["unfused", "unfused eager", "fused"])
+    parser.add_argument("--sweep", action="store_true", help="time every candidate tile of each kernel first and use the fastest")
+    parser.add_argument("--no-float32", dest="float32", action="store_false", help="skip the float32 identity check")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        report = {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+            "command": "python -m pipeline.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "sweep": sweep() if args.sweep else {},
+            "float32": float32_identity(workdir, 60) if args.float32 else {},
+            "sizes": {},
+        }
+        for size in args.sizes:
+            report["sizes"][size] = bench_size(size, workdir, args.frames, tuple(args.variants))
+            write_report(args.out, "kernels-" + "-".join(args.sizes), report, markdown(report))
+    return 0
+
+
+# ---- tile sweep ---------------------------------------------------------------------------------
+
+TALKER_CACHE = 2048  # positions of the talker's cache (pipeline.tts.DEFAULT_MAX_SEQ)
+LINEAR_CANDIDATES = ([Tiles(n, k, w, st) for n in (16, 32) for k in (256, 512) for w in (4, 8) for st in (3, 4)]
+                     + [Tiles(n, k, 4, 3, split) for n in (16, 32) for k in (128, 256) for split in (2, 4, 8)])
+QKV_CANDIDATES = ([Tiles(16, k, w, st) for k in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
+                  + [Tiles(16, k, w, 3, split) for k in (64, 128) for w in (4, 8) for split in (2, 4, 8)])
+
+
+def graph_us(fn, launches: int = 20) -> float:
+    """Microseconds per call of `fn` replayed `launches` times in one CUDA graph (as in the decode step)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    times = []
+    for _ in range(RUNS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / launches)
+    return statistics.median(times)
+
+
+def best_tiles(candidates: list[Tiles], run, output: torch.Tensor) -> tuple[Tiles, float, dict]:
+    """The fastest candidate whose `output` agrees with the default tile's (a wrong kernel is never
+    the fastest one kept): bf16 results may differ in the last bits (another summation order)."""
+    run(Tiles())
+    expected = output.float().clone()
+    timed = {}
+    for t in candidates:
+        try:
+            run(t)
+            error = (output.float() - expected).abs().max().item()
+            scale = expected.abs().max().item()
+            if not error <= 0.02 * scale:
+                raise ValueError(f"output differs from the default tile's by {error:.3g} (scale {scale:.3g})")
+            timed[t] = graph_us(lambda: run(t))
+        except Exception as error:  # a tile that does not fit (shared memory, registers) or splits K unevenly is skipped
+            timed[t] = float("inf")
+            print("skipped", t, type(error).__name__, error, flush=True)
+    best = min(timed, key=timed.get)
+    return best, timed[best], {str(t): us for t, us in timed.items()}
+
+
+def attention_sweep(kernels, attn, q, positions, out, workspace, hidden: int) -> dict:
+    """The talker's attention (a cache of TALKER_CACHE positions) at 200 and 1,000 positions: one
+    program per head against the cache split in chunks; the split is used for the rest of the run
+    where it is faster at both lengths. (A code-predictor step, 16 positions, is one block either way.)"""
+    report, timed = {}, {}
+    variants = {"one program per head": dict(chunk=0), **{f"chunks of {c}": dict(chunk=c) for c in (32, 64, 128)}}
+    for count in (200, 1000):
+        positions.fill_(count - 1)
+        for name, options in variants.items():
+            us = graph_us(lambda: kernels.attention(attn, q, positions, 1, out, workspace, **options))
+            timed.setdefault(name, []).append(us)
+            report[f"attention hidden {hidden}, {count} positions, {name}"] = us
+            print("attention", count, name, f"{us:.2f} us", flush=True)
+    best = min(timed, key=lambda name: max(timed[name]))
+    chunk = variants[best]["chunk"]
+    if chunk and all(a < b for a, b in zip(timed[best], timed["one program per head"])):
+        kernels.ATTENTION_CHUNKS[TALKER_CACHE] = chunk
+    return report
+
+
+@torch.inference_mode()
+def sweep(rows: int = 1) -> dict:
+    """The fastest tiles of each kernel at each layer shape of the 0.6B / 1.7B talkers and the code
+    predictor, bf16, `rows` rows; applied to pipeline.kernels.decode.TUNED for the rest of the run."""
+    from pipeline.kernels import decode as kernels
+    from pipeline.model import DecoderLayer, KVCache
+
+    workspace = kernels.Workspace()
+    report = {}
+    for hidden, intermediate in ((1024, 3072), (2048, 6144)):
+        with torch.device("cuda"):
+            layer = DecoderLayer(hidden, intermediate, 16, 8, 128, 1e-6).to(torch.bfloat16)
+            layer.self_attn.kv_cache = KVCache(rows, 8, TALKER_CACHE, 128, torch.bfloat16, torch.device("cuda"))
+            h = torch.randn(rows, hidden, dtype=torch.bfloat16)
+            positions = torch.full((rows,), 200)
+            cos, sin = torch.randn(TALKER_CACHE, 128, dtype=torch.bfloat16), torch.randn(TALKER_CACHE, 128, dtype=torch.bfloat16)
+            q = torch.empty(rows, 16, 128, dtype=torch.bfloat16)
+            attended = torch.randn(rows, 2048, dtype=torch.bfloat16)
+            gated = torch.randn(rows, intermediate, dtype=torch.bfloat16)
+            out = torch.empty(rows, hidden, dtype=torch.bfloat16)
+            for p in layer.parameters():
+                p.data.normal_(0.0, 0.02)
+        attn, mlp = layer.self_attn, layer.mlp
+        shapes = {
+            ("qkv", 4096, hidden): (QKV_CANDIDATES, q, lambda t: kernels.qkv_rope(layer, h, positions, 1, cos, sin, q, workspace, t)),
+            ("linear1", hidden, 2048): (LINEAR_CANDIDATES, out, lambda t: kernels.linear(attended, attn.o_proj.weight, out, workspace, mode=1, residual=h, shape=t)),
+            ("linear2", intermediate, hidden): (LINEAR_CANDIDATES, gated, lambda t: kernels.linear(h, mlp.gate_up_proj.weight, gated, workspace,
+                                                                                                  norm=layer.post_attention_layernorm, mode=2, shape=t)),
+            ("linear1", hidden, intermediate): (LINEAR_CANDIDATES, out, lambda t: kernels.linear(gated, mlp.down_proj.weight, out, workspace, mode=1, residual=h,
+                                                                                                shape=t)),
+        }
+        for key, (candidates, output, run) in shapes.items():
+            best, us, timed = best_tiles(candidates, run, output)
+            kernels.TUNED[key] = best
+            report[str(key)] = {"best": str(best), "us": us, "all": timed}
+            print(key, best, f"{us:.2f} us", flush=True)
+        report.update(attention_sweep(kernels, attn, q, positions, attended, workspace, hidden))
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Fused Triton kernels for the decode step (five per transformer layer); `fused_decode` is the entry point.
+
+It computes what `Transformer.decode` computes, for every cache row at once, reading the same
+modules' weights and writing the same KV caches, so the rest of the engine is unchanged."""
+from __future__ import annotations
+
+import importlib.util
+import weakref
+
+import torch
+
+from pipeline.model import MLP, Transformer
+
+_WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its split-K workspace
+
+
+def fused_available(device: torch.device) -> bool:
+    """Triton's GPU kernels run on CUDA; elsewhere only its interpreter (TRITON_INTERPRET=1, the CPU tests) runs them."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def fused_supported(model: Transformer) -> bool:
+    """Dense Qwen3 layers with power-of-two head sizes (the kernels tile a head in two halves), of
+    at least 16 columns a half in bf16/fp16 (tensor-core tiles; float32 dots run exact, on any
+    size); a sparse-MoE stack (Qwen3-Omni's talker) keeps the unfused step."""
+    head_dim = model.layers[0].self_attn.head_dim
+    half_precision = model.norm.weight.dtype != torch.float32
+    return (all(isinstance(layer.mlp, MLP) for layer in model.layers) and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+            and (head_dim >= 32 or not half_precision))
+
+
+@torch.inference_mode()
+def fused_decode(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`model.decode(x, positions)` in fused kernels: x [rows, L, hidden] for every cache row at `positions` [rows, L]."""
+    from pipeline.kernels.decode import Workspace, decoder_layer, rms_norm
+
+    workspace = _WORKSPACES.setdefault(model, Workspace())
+    rows, length, hidden = x.shape
+    h = x.reshape(rows * length, hidden).clone()  # the residual stream, updated in place layer by layer
+    flat_positions = positions.reshape(-1).contiguous()
+    for layer in model.layers:
+        decoder_layer(layer, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace)
+    return rms_norm(h, model.norm).view(rows, length, hidden)

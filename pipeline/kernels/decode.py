@@ -1,0 +1,478 @@
+"""Triton kernels for the decode step: five kernels per transformer layer instead of ~12.
+
+1. input RMSNorm in the prologue of the q/k/v projection, whose epilogue does the q/k RMSNorm,
+   RoPE and the write of k and v into the cache slot (one program per head: RoPE's halves and
+   the head's norm stay in the program);
+2. attention of one query head over its row's cache up to the query's position (not the whole
+   cache: a row reads only what it has written);
+3. output projection with the residual add in the epilogue;
+4. post-attention RMSNorm in the prologue of the gate/up projection, SiLU(gate) * up in its epilogue;
+5. down projection with the residual add in the epilogue.
+
+Numerics are the reference's: RMSNorm variance and RoPE in float32; every intermediate that the
+unfused layer rounds to the activation dtype (projection outputs, normed activations, the
+rotation's two products, the softmax probabilities) is rounded here at the same point. Sums run
+in another order than cuBLAS's, so bf16 results can differ in the last bit; in float32 (exact
+`ieee` dots) they agree with the unfused step to float rounding.
+
+Batch invariance: every launch tiles the batch in blocks of BLOCK_M rows with one block size for
+every batch, and a row's reductions run in a fixed order over its own data, so a row's result
+does not depend on how many rows run beside it or what they hold.
+
+Tiles per weight shape (`Tiles`, the table `TUNED`) come from a measured sweep; a tile may split
+the reduction over several programs (split-K, for narrow weights that leave SMs idle), whose
+partial sums the last program to finish adds in a fixed order: deterministic, like the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # rows of the batch per program, whatever the batch: a row's arithmetic never depends on the batch size
+NORM_BLOCK = 256
+ATTENTION_BLOCK = 128  # cache positions per iteration of the attention loop
+# Cache lengths whose attention runs split in chunks of this many positions (measured by the sweep
+# of `python -m pipeline.bench_kernels`; none yet: the split kernels came after the last GPU run).
+ATTENTION_CHUNKS: dict[int, int] = {}
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """x rounded to the activation dtype, computed on in float32 (a no-op in float32)."""
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _inverse_rms(x_ptr, offs_m, m_mask, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row of x [M, K], in float32."""
+    total = tl.zeros([offs_m.shape[0]], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        total += tl.sum(x * x, axis=1)
+    return tl.rsqrt(total / K + eps)
+
+
+@triton.jit
+def _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K: tl.constexpr, HAS_NORM: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of x, RMS-normed as the reference's RMSNorm: normed in float32,
+    rounded, times the weight, rounded."""
+    k_mask = offs_k < K
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    if HAS_NORM:
+        dt = x.dtype
+        weight = tl.load(norm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        x = (weight[None, :] * _round(x.to(tl.float32) * inv_rms[:, None], dt)).to(dt)
+    return x
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # float32 weights get exact float32 products (not TF32): the float32 path must match the eager one.
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, SPLIT_K: tl.constexpr, TWO: tl.constexpr):
+    """Split-K: each of the SPLIT_K programs of a tile stores its partial sums (a, and b if TWO);
+    the last to arrive adds all of them in split order (the same order whichever program is last:
+    deterministic) and gets (sums, True); the others get (a, b, False). Resets the tile's lock."""
+    size: tl.constexpr = a.shape[0] * a.shape[1]
+    offs = tl.arange(0, a.shape[0])[:, None] * a.shape[1] + tl.arange(0, a.shape[1])[None, :]
+    tile_ptr = partial_ptr + tile * (SPLIT_K * 2 * size)
+    tl.store(tile_ptr + split * 2 * size + offs, a)
+    if TWO:
+        tl.store(tile_ptr + split * 2 * size + size + offs, b)
+    tl.debug_barrier()  # every thread's partial is written before the program announces it
+    last = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+    if last:
+        a = tl.zeros(a.shape, dtype=tl.float32)
+        b = tl.zeros(b.shape, dtype=tl.float32)
+        for k in tl.static_range(SPLIT_K):
+            a += tl.load(tile_ptr + k * 2 * size + offs, cache_modifier=".cg")
+            if TWO:
+                b += tl.load(tile_ptr + k * 2 * size + size + offs, cache_modifier=".cg")
+        tl.atomic_xchg(lock_ptr + tile, 0)
+    return a, b, last
+
+
+@triton.jit
+def _linear_kernel(x_ptr, norm_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, K: tl.constexpr, eps,
+                   HAS_NORM: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ w^T); program (row block, column block, K split).
+
+    MODE 0: plain; 1: out = residual + result (res_ptr may be out_ptr: the program that finishes a
+    tile reads its residual before writing it); 2: w holds gate rows [0, N) then up rows [N, 2N):
+    out = SiLU(gate) * up."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM:
+        inv_rms = _inverse_rms(x_ptr, offs_m, m_mask, K, eps, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    K_SPLIT: tl.constexpr = K // SPLIT_K
+    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, HAS_NORM)
+        w_mask = n_mask[:, None] & (offs_k[None, :] < K)
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        acc += _dot(a, tl.trans(w), IEEE)
+        if MODE == 2:
+            w_up = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+            up += _dot(a, tl.trans(w_up), IEEE)
+    if SPLIT_K > 1:
+        acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, SPLIT_K, MODE == 2)
+        if last:
+            _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE)
+    else:
+        _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE)
+
+
+@triton.jit
+def _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N: tl.constexpr, MODE: tl.constexpr):
+    dt = out_ptr.dtype.element_ty
+    out = _round(acc, dt)
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if MODE == 1:
+        out = out + tl.load(res_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+    if MODE == 2:
+        # silu in float32 on the rounded gate, rounded, times the rounded up projection: as F.silu(gate) * up
+        out = _round(out * tl.sigmoid(out), dt) * _round(up, dt)
+    tl.store(out_ptr + out_offs, out.to(dt), mask=out_mask)
+
+
+@triton.jit
+def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                partial_ptr, lock_ptr, M, K: tl.constexpr, L, eps, head_eps, cache_row, cache_head, cache_pos,
+                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """One head's projection of RMSNorm(x): program (block of rows, head), heads ordered q, k, v.
+
+    q and k heads: RMSNorm over the head, then RoPE at each row's position; q goes to q [M, HEADS,
+    HEAD_DIM], k and v into the cache at (row m // L, position). RoPE rotates the head's first half
+    against its second, so the two halves are accumulated apart. Program (row block, head, K split)."""
+    pid_m, head, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    inv_rms = _inverse_rms(x_ptr, offs_m, m_mask, K, eps, BLOCK_K)
+    j = tl.arange(0, HALF)
+    first = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    second = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    K_SPLIT: tl.constexpr = K // SPLIT_K
+    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, True)
+        w_mask = offs_k[None, :] < K
+        w1 = tl.load(w_ptr + (head * HEAD_DIM + j)[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        w2 = tl.load(w_ptr + (head * HEAD_DIM + HALF + j)[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        first += _dot(a, tl.trans(w1), IEEE)
+        second += _dot(a, tl.trans(w2), IEEE)
+    if SPLIT_K > 1:
+        first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + head, pid_k, SPLIT_K, True)
+        if last:
+            _qkv_epilogue(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head,
+                          L, head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM)
+    else:
+        _qkv_epilogue(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head,
+                      L, head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM)
+
+
+@triton.jit
+def _qkv_epilogue(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head,
+                  L, head_eps, cache_row, cache_head, cache_pos, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dt = q_ptr.dtype.element_ty
+    j = tl.arange(0, HALF)
+    first, second = _round(first, dt), _round(second, dt)
+    pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0)
+    row = offs_m // L
+    if head < HEADS + KV_HEADS:
+        is_q = head < HEADS
+        g1 = tl.where(is_q, tl.load(q_norm_ptr + j).to(tl.float32), tl.load(k_norm_ptr + j).to(tl.float32))
+        g2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + j).to(tl.float32), tl.load(k_norm_ptr + HALF + j).to(tl.float32))
+        inv = tl.rsqrt((tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)) / HEAD_DIM + head_eps)
+        first = _round(g1[None, :] * _round(first * inv[:, None], dt), dt)
+        second = _round(g2[None, :] * _round(second * inv[:, None], dt), dt)
+        table = pos[:, None] * HEAD_DIM + j[None, :]
+        cos1 = tl.load(cos_ptr + table, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + table + HALF, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + table, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + table + HALF, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, each product rounded, as the unfused RoPE in the activation dtype
+        rotated1 = _round(first * cos1, dt) + _round(-second * sin1, dt)
+        rotated2 = _round(second * cos2, dt) + _round(first * sin2, dt)
+        if is_q:
+            dest = q_ptr + (offs_m * HEADS + head)[:, None] * HEAD_DIM + j[None, :]
+        else:
+            dest = k_cache_ptr + (row * cache_row + (head - HEADS) * cache_head + pos * cache_pos)[:, None] + j[None, :]
+        tl.store(dest, rotated1.to(dt), mask=m_mask[:, None])
+        tl.store(dest + HALF, rotated2.to(dt), mask=m_mask[:, None])
+    else:
+        dest = v_cache_ptr + (row * cache_row + (head - HEADS - KV_HEADS) * cache_head + pos * cache_pos)[:, None] + j[None, :]
+        tl.store(dest, first.to(dt), mask=m_mask[:, None])
+        tl.store(dest + HALF, second.to(dt), mask=m_mask[:, None])
+
+
+@triton.jit
+def _scores(k_ptr, q, offs_s, count, d, scale, HEAD_DIM: tl.constexpr):
+    keys = tl.load(k_ptr + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
+    return tl.where(offs_s < count, tl.sum(keys * q[None, :], axis=1) * scale, float("-inf"))
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, L, scale, cache_row, cache_head,
+                      HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (row m, query head): softmax(q k^T * scale) v over cache positions 0..pos of row m // L.
+
+    Two passes, as the reference's softmax: the maximum and the sum first, then probabilities
+    exp(s - max) / sum rounded to the activation dtype before they weigh the values."""
+    m, head = tl.program_id(0), tl.program_id(1)
+    dt = out_ptr.dtype.element_ty
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (m * HEADS + head) * HEAD_DIM + d).to(tl.float32)
+    count = tl.load(pos_ptr + m) + 1
+    base = (m // L) * cache_row + (head // GROUP) * cache_head
+    k_ptr, v_ptr = k_cache_ptr + base, v_cache_ptr + base
+    if count <= BLOCK_S:
+        # One block (every code-predictor step, short talker contexts): keys and values read once.
+        # The same arithmetic as the loop below makes for one block, so results do not depend on the path.
+        offs_s = tl.arange(0, BLOCK_S)
+        s = _scores(k_ptr, q, offs_s, count, d, scale, HEAD_DIM)
+        top = tl.max(s, axis=0)
+        p = _round(tl.exp(s - top) / tl.sum(tl.exp(s - top), axis=0), dt)
+        values = tl.load(v_ptr + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
+        acc = tl.sum(p[:, None] * values, axis=0)
+    else:
+        top = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
+        for s0 in range(0, count, BLOCK_S):
+            s = _scores(k_ptr, q, s0 + tl.arange(0, BLOCK_S), count, d, scale, HEAD_DIM)
+            new_top = tl.maximum(top, tl.max(s, axis=0))
+            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top), axis=0)
+            top = new_top
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for s0 in range(0, count, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            p = _round(tl.exp(_scores(k_ptr, q, offs_s, count, d, scale, HEAD_DIM) - top) / total, dt)
+            values = tl.load(v_ptr + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
+            acc += tl.sum(p[:, None] * values, axis=0)
+    tl.store(out_ptr + (m * HEADS + head) * HEAD_DIM + d, acc.to(dt))
+
+
+@triton.jit
+def _chunk_scores(q_ptr, k_cache_ptr, pos_ptr, L, scale, cache_row, cache_head,
+                  HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+    """Scores of program (row m, query head, chunk) over its chunk of cache positions, -inf past the query's position."""
+    m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (m * HEADS + head) * HEAD_DIM + d).to(tl.float32)
+    count = tl.load(pos_ptr + m) + 1
+    base = (m // L) * cache_row + (head // GROUP) * cache_head
+    offs_s = chunk * CHUNK + tl.arange(0, CHUNK)
+    return _scores(k_cache_ptr + base, q, offs_s, count, d, scale, HEAD_DIM), offs_s, count, base
+
+
+@triton.jit
+def _attention_stats_kernel(q_ptr, k_cache_ptr, pos_ptr, stats_ptr, L, scale, cache_row, cache_head,
+                            HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """Split attention, first pass: each chunk's maximum score and its sum of exp(score - maximum)
+    (-inf and 0 for a chunk past the query's position)."""
+    m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, offs_s, count, base = _chunk_scores(q_ptr, k_cache_ptr, pos_ptr, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
+    top = tl.maximum(tl.max(s, axis=0), -1e30)  # finite for a chunk past the query's position, whose sum is 0
+    total = tl.sum(tl.where(offs_s < count, tl.exp(s - top), 0.0), axis=0)
+    slot = ((m * HEADS + head) * CHUNKS + chunk) * 2
+    tl.store(stats_ptr + slot, top)
+    tl.store(stats_ptr + slot + 1, total)
+
+
+@triton.jit
+def _attention_chunks_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr, partial_ptr, lock_ptr, out_ptr, L, scale, cache_row, cache_head,
+                             HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                             CHUNKS_P2: tl.constexpr):
+    """Split attention, second pass: the softmax's maximum and sum from every chunk's (in chunk
+    order), this chunk's probabilities rounded as the reference's, their weighted values; the last
+    chunk to finish adds the chunks' values in chunk order."""
+    m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dt = out_ptr.dtype.element_ty
+    s, offs_s, count, base = _chunk_scores(q_ptr, k_cache_ptr, pos_ptr, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
+    c = tl.arange(0, CHUNKS_P2)
+    slots = ((m * HEADS + head) * CHUNKS + c) * 2
+    tops = tl.load(stats_ptr + slots, mask=c < CHUNKS, other=float("-inf"))
+    top = tl.max(tops, axis=0)
+    total = tl.sum(tl.load(stats_ptr + slots + 1, mask=c < CHUNKS, other=0.0) * tl.exp(tops - top), axis=0)
+    p = _round(tl.where(offs_s < count, tl.exp(s - top), 0.0) / total, dt)
+    d = tl.arange(0, HEAD_DIM)
+    values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
+    acc = tl.sum(p[:, None] * values, axis=0)[None, :]
+    acc, _, last = _sum_splits(acc, acc, partial_ptr, lock_ptr, m * HEADS + head, chunk, CHUNKS, False)
+    if last:
+        tl.store(out_ptr + (m * HEADS + head) * HEAD_DIM + d[None, :], acc.to(dt))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, norm_ptr, out_ptr, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
+    m = tl.program_id(0)
+    offs_m = m + tl.arange(0, 1)
+    inv_rms = _inverse_rms(x_ptr, offs_m, offs_m >= 0, K, eps, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, offs_m >= 0, offs_k, K, True)
+        tl.store(out_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=offs_k[None, :] < K)
+
+
+# ---- launches ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of a matmul kernel: columns and reduction depth per program, warps, pipeline
+    stages, and programs that share a tile's reduction (split-K: more programs for narrow weights)."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+
+class Workspace:
+    """Split-K partial sums and per-tile arrival counters of one model's decode step. Its kernels
+    run one after another on one stream and each leaves its counters at zero; two models' steps may
+    run at once, so each model has its own."""
+
+    def __init__(self) -> None:
+        self.partial: torch.Tensor | None = None
+        self.locks: torch.Tensor | None = None
+        self.softmax_stats: torch.Tensor | None = None
+
+    def get(self, tiles: int, split_k: int, tile_floats: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for `split_k` partials (two accumulators of `tile_floats` each) of `tiles` tiles, and their counters."""
+        floats = tiles * split_k * 2 * tile_floats
+        if self.partial is None or self.partial.numel() < floats:
+            self.partial = torch.empty(floats, dtype=torch.float32, device=device)
+        if self.locks is None or self.locks.numel() < tiles:
+            self.locks = torch.zeros(tiles, dtype=torch.int32, device=device)
+        return self.partial, self.locks
+
+    def stats(self, floats: int, device: torch.device) -> torch.Tensor:
+        """Split attention's per-chunk softmax maximum and sum."""
+        if self.softmax_stats is None or self.softmax_stats.numel() < floats:
+            self.softmax_stats = torch.empty(floats, dtype=torch.float32, device=device)
+        return self.softmax_stats
+
+
+# Measured on an H200 (`python -m pipeline.bench_kernels --sweep`, 2026-11-23), bf16, per (kernel, N, K):
+# 16 x 256 tiles, 4 warps, 3 stages were the fastest or within 3% for every shape of the 0.6B and
+# 1.7B layers but these. The choice depends on the weight's shape only, never on the batch.
+TUNED: dict[tuple[str, int, int], Tiles] = {
+    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8),  # 8.6 us against 9.1
+    ("linear2", 3072, 1024): Tiles(block_n=32),  # gate/up, 0.6B: 6.5 us against 7.6
+    ("linear2", 6144, 2048): Tiles(block_n=32),  # gate/up, 1.7B: 16.6 us against 23.0
+}
+
+
+def tiles(kind: str, n: int, k: int, dtype: torch.dtype) -> Tiles:
+    if dtype == torch.float32:
+        # float32 tiles are twice the bytes: the q/k/v kernel's pipelined weight tiles must fit in shared memory
+        return Tiles(block_k=min(64, triton.next_power_of_2(k)), num_stages=2)
+    found = TUNED.get((kind, n, k))
+    return found if found is not None else Tiles(block_k=min(256, triton.next_power_of_2(k)))
+
+
+def _check_split(k: int, t: Tiles) -> None:
+    if k % (t.split_k * t.block_k):
+        raise ValueError(f"split-K: {k} columns do not split into {t.split_k} parts of whole {t.block_k}-column tiles")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: Workspace, norm: torch.nn.Module | None = None, mode: int = 0,
+           residual: torch.Tensor | None = None, shape: Tiles | None = None) -> torch.Tensor:
+    """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ weight^T); see _linear_kernel for `mode`."""
+    m, k = x.shape
+    n = out.shape[1]
+    t = shape or tiles(f"linear{mode}", n, k, x.dtype)
+    _check_split(k, t)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, t.block_n), t.split_k)
+    partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * t.block_n, x.device)
+    _linear_kernel[grid](
+        x, norm.weight if norm is not None else weight, weight, residual if residual is not None else out, out, partial, locks, m, n, k,
+        norm.eps if norm is not None else 0.0, HAS_NORM=norm is not None, MODE=mode, IEEE=x.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
+
+
+def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, length: int, cos: torch.Tensor, sin: torch.Tensor,
+             q: torch.Tensor, workspace: Workspace, shape: Tiles | None = None) -> None:
+    """q/k/v of RMSNorm(h) with q/k norms and RoPE; q into `q` [M, heads, head_dim], k and v into the layer's cache."""
+    attn = layer.self_attn
+    cache = attn.kv_cache
+    m, hidden = h.shape
+    t = shape or tiles("qkv", attn.qkv_proj.weight.shape[0], hidden, h.dtype)
+    _check_split(hidden, t)
+    grid = (triton.cdiv(m, BLOCK_M), attn.heads + 2 * attn.kv_heads, t.split_k)
+    partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * attn.head_dim // 2, h.device)
+    _qkv_kernel[grid](
+        h, layer.input_layernorm.weight, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions,
+        q, cache.k, cache.v, partial, locks, m, hidden, length, layer.input_layernorm.eps, attn.q_norm.eps, *cache.k.stride()[:3],
+        HEADS=attn.heads, KV_HEADS=attn.kv_heads, HEAD_DIM=attn.head_dim, IEEE=h.dtype == torch.float32, BLOCK_M=BLOCK_M,
+        BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, length: int, out: torch.Tensor, workspace: Workspace,
+              block_s: int | None = None, num_warps: int | None = None, chunk: int | None = None) -> None:
+    """out [M, heads * head_dim]: each query head over its row's cache, positions 0..its own.
+
+    `chunk`: split the cache in chunks of that many positions, one program each (two kernels: the
+    softmax's statistics, then the values), where one program per head would leave SMs idle;
+    else one program per head loops over blocks of `block_s` positions."""
+    cache = attn.kv_cache
+    scale, strides = attn.head_dim**-0.5, cache.k.stride()[:2]
+    shape = dict(HEADS=attn.heads, GROUP=attn.heads // attn.kv_heads, HEAD_DIM=attn.head_dim)
+    chunk = chunk if chunk is not None else ATTENTION_CHUNKS.get(cache.k.shape[2])
+    if chunk:
+        chunks = triton.cdiv(cache.k.shape[2], chunk)
+        grid = (q.shape[0], attn.heads, chunks)
+        partial, locks = workspace.get(grid[0] * grid[1], chunks, attn.head_dim, q.device)
+        stats = workspace.stats(grid[0] * grid[1] * chunks * 2, q.device)
+        _attention_stats_kernel[grid](q, cache.k, positions, stats, length, scale, *strides, **shape, CHUNK=chunk, CHUNKS=chunks,
+                                      num_warps=num_warps or 4)
+        _attention_chunks_kernel[grid](q, cache.k, cache.v, positions, stats, partial, locks, out, length, scale, *strides, **shape,
+                                       CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=num_warps or 4)
+        return
+    # Blocks as long as the cache up to 128 positions: a code-predictor step (16 positions) is one
+    # block. Measured on an H200 at 200 positions: 128 x 8 warps 9.7 us, 64 x 4 warps 14.1 us.
+    block = block_s or min(ATTENTION_BLOCK, triton.next_power_of_2(cache.k.shape[2]))
+    _attention_kernel[(q.shape[0], attn.heads)](q, cache.k, cache.v, positions, out, length, scale, *strides, **shape, BLOCK_S=block,
+                                                num_warps=num_warps or (8 if block >= 128 else 2))
+
+
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(x.shape[0],)](x, norm.weight, out, x.shape[1], norm.eps, BLOCK_K=min(NORM_BLOCK, triton.next_power_of_2(x.shape[1])))
+    return out
+
+
+def decoder_layer(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, length: int, cos: torch.Tensor, sin: torch.Tensor,
+                  workspace: Workspace) -> None:
+    """One Qwen3 decoder layer over h [M, hidden] in place; token m is position positions[m] of cache row m // length."""
+    attn, mlp = layer.self_attn, layer.mlp
+    m = h.shape[0]
+    heads, head_dim = attn.heads, attn.head_dim
+    q = torch.empty(m, heads, head_dim, dtype=h.dtype, device=h.device)
+    qkv_rope(layer, h, positions, length, cos, sin, q, workspace)
+    attended = torch.empty(m, heads * head_dim, dtype=h.dtype, device=h.device)
+    attention(attn, q, positions, length, attended, workspace)
+    linear(attended, attn.o_proj.weight, h, workspace, mode=1, residual=h)
+    gated = torch.empty(m, mlp.intermediate, dtype=h.dtype, device=h.device)
+    linear(h, mlp.gate_up_proj.weight, gated, workspace, norm=layer.post_attention_layernorm, mode=2)
+    linear(gated, mlp.down_proj.weight, h, workspace, mode=1, residual=h)

@@ -1,0 +1,168 @@
+"""The fused decode-step kernels (pipeline.kernels) against the modules' own decode step, in
+float32, run by Triton's interpreter on CPU (TRITON_INTERPRET=1, set in conftest.py) and by the
+GPU on CUDA: the same hidden states, the same KV caches, a row's result independent of its
+neighbours, and the same codes from the engine's whole decode step."""
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pipeline.engine.decoder import BatchDecoder  # noqa: E402
+from pipeline.kernels import fused_decode, fused_supported  # noqa: E402
+from pipeline.model import Transformer  # noqa: E402
+from pipeline.request import SpeechRequest  # noqa: E402
+from pipeline.tts import TTS  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS, MAX_SEQ = 3, 160
+
+
+def random_stack(hidden: int, heads: int, kv_heads: int, head_dim: int) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(hidden, 2 * hidden, 2, heads, kv_heads, head_dim, 1e-6, 1e6).to(DEVICE).eval()
+    for name, p in model.named_parameters():
+        # norm weights away from 1, so a missing or misplaced weight shows
+        p.data.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+    model.setup_caches(ROWS, MAX_SEQ)
+    return model
+
+
+def twins(hidden=64, heads=4, kv_heads=2, head_dim=16) -> tuple[Transformer, Transformer]:
+    model = random_stack(hidden, heads, kv_heads, head_dim)
+    twin = copy.deepcopy(model)
+    twin.setup_caches(ROWS, MAX_SEQ)
+    return model, twin
+
+
+def caches(model: Transformer) -> torch.Tensor:
+    return torch.stack([torch.stack((layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)) for layer in model.layers])
+
+
+@pytest.mark.parametrize("shape", [dict(hidden=64, heads=4, kv_heads=2, head_dim=16), dict(hidden=32, heads=4, kv_heads=1, head_dim=8)])
+@torch.inference_mode()
+def test_fused_decode_equals_the_module_decode(shape):
+    """Rows at different positions, a two-token first step (the code predictor's), then one token
+    at a time; the last row's keys go past the attention's first block of 128 positions (its loop), the others' fit in
+    one (its single-block path)."""
+    model, fused = twins(**shape)
+    generator = torch.Generator().manual_seed(1)
+    starts = torch.tensor([0, 5, 125], device=DEVICE)
+    positions = torch.stack((starts, starts + 1), dim=1)
+    for step in range(6):
+        x = torch.randn(ROWS, positions.shape[1], shape["hidden"], generator=generator).to(DEVICE)
+        expected, got = model.decode(x, positions), fused_decode(fused, x, positions)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        positions = positions[:, -1:] + 1
+    torch.testing.assert_close(caches(fused), caches(model), rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_rows_result_does_not_depend_on_its_neighbours():
+    model, _ = twins()
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(ROWS, 1, 64, generator=generator).to(DEVICE)
+    positions = torch.tensor([[3], [7], [0]], device=DEVICE)
+    alone = fused_decode(model, x, positions)[1].clone()
+    neighbours = x.clone()
+    neighbours[[0, 2]] = torch.randn(2, 1, 64, generator=generator).to(DEVICE) * 5
+    assert torch.equal(fused_decode(model, neighbours, positions)[1], alone)
+
+
+def test_stacks_with_other_mlps_keep_the_unfused_step():
+    """Qwen3-Omni's talker has sparse-MoE layers: the fused kernels do not apply to them."""
+    model = random_stack(32, 4, 2, 8)
+    assert fused_supported(model)
+    model.layers[0].mlp = torch.nn.Identity()
+    assert not fused_supported(model)
+
+
+@pytest.fixture(scope="module")
+def tts_pair(tiny_checkpoints):
+    path = str(tiny_checkpoints["custom_voice"])
+    return (TTS.from_pretrained(path, device=DEVICE, rows=2, use_cuda_graphs=False, fused=False),
+            TTS.from_pretrained(path, device=DEVICE, rows=2, use_cuda_graphs=False, fused=True))
+
+
+def test_engine_codes_with_fused_kernels_equal_the_module_step(tts_pair):
+    """Sampled (seeded), so that every codebook's logits go through top-k and top-p (the interpreter is slow: 3 frames)."""
+    plain, fused = tts_pair
+    assert isinstance(fused.engine.decoder, BatchDecoder) and fused.engine.decoder.fused and not plain.engine.decoder.fused
+    request = SpeechRequest("Fused kernels, same codes.", speaker="ryan", seed=7, max_frames=3)
+    expected = plain.submit(request)
+    list(expected)
+    got = fused.submit(request)
+    list(got)
+    assert got.codes.shape == (3, 16)
+    assert torch.equal(torch.as_tensor(got.codes), torch.as_tensor(expected.codes))
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@torch.inference_mode()
+def test_split_k_equals_the_unsplit_kernel_and_repeats_exactly(mode):
+    """Split-K (programs sharing a tile's reduction, the last to finish adding the partials in split
+    order): the same sums as one program per tile, bit-identical from one launch to the next (the
+    arrival counters reset themselves)."""
+    from pipeline.kernels.decode import Tiles, Workspace, linear
+    from pipeline.layers import RMSNorm
+
+    generator = torch.Generator().manual_seed(3)
+    n, k = 48, 64
+    x = torch.randn(5, k, generator=generator).to(DEVICE)
+    weight = torch.randn(2 * n if mode == 2 else n, k, generator=generator).to(DEVICE)
+    residual = torch.randn(5, n, generator=generator).to(DEVICE)
+    norm = RMSNorm(k, 1e-6).to(DEVICE) if mode == 2 else None
+    workspace = Workspace()
+
+    def run(split_k: int) -> torch.Tensor:
+        out = torch.empty(5, n, device=DEVICE)
+        return linear(x, weight, out, workspace, norm=norm, mode=mode, residual=residual if mode == 1 else None,
+                      shape=Tiles(block_k=16, split_k=split_k))
+
+    whole, split = run(1), run(4)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(run(4), split)
+    assert not workspace.locks.any()
+
+
+@torch.inference_mode()
+def test_split_k_qkv_equals_the_unsplit_kernel():
+    from pipeline.kernels.decode import Tiles, Workspace, qkv_rope
+
+    model, twin = twins()
+    h = torch.randn(ROWS, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    positions = torch.tensor([0, 9, 30], device=DEVICE)
+    results = []
+    for stack, split_k in ((model, 1), (twin, 4)):
+        q = torch.empty(ROWS, 4, 16, device=DEVICE)
+        qkv_rope(stack.layers[0], h, positions, 1, stack.rope_cos, stack.rope_sin, q, Workspace(), Tiles(block_k=16, split_k=split_k))
+        results.append((q, caches(stack)))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_attention_split_in_chunks_equals_one_program_per_head():
+    """The cache split in chunks of 16 positions (10 chunks: past the last query's position, empty
+    ones too): the same attention as one program per head, bit-identical from one launch to the next."""
+    from pipeline.kernels.decode import Workspace, attention
+
+    model, _ = twins()
+    attn = model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(5)
+    attn.kv_cache.k.normal_(generator=generator)
+    attn.kv_cache.v.normal_(generator=generator)
+    q = torch.randn(ROWS, 4, 16, generator=generator).to(DEVICE)
+    positions = torch.tensor([0, 37, 150], device=DEVICE)
+    workspace = Workspace()
+
+    def run(chunk: int) -> torch.Tensor:
+        out = torch.empty(ROWS, 64, device=DEVICE)
+        attention(attn, q, positions, 1, out, workspace, chunk=chunk)
+        return out
+
+    whole, split = run(0), run(16)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(run(16), split)
+    assert not workspace.locks.any()
