@@ -36,8 +36,11 @@ def fused_decode(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -
 
     workspace = _WORKSPACES.setdefault(model, Workspace())
     rows, length, hidden = x.shape
-    h = x.reshape(rows * length, hidden).clone()  # the residual stream, updated in place layer by layer
+    source = x.reshape(rows * length, hidden).contiguous()
+    # The residual stream: the first layer reads x and writes it, the others update it in place (no copy of x).
+    h = torch.empty_like(source)
     flat_positions = positions.reshape(-1).contiguous()
     for layer in model.layers:
-        decoder_layer(layer, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace)
+        decoder_layer(layer, source, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace)
+        source = h
     return rms_norm(h, model.norm).view(rows, length, hidden)

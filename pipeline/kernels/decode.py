@@ -462,17 +462,18 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return out
 
 
-def decoder_layer(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, length: int, cos: torch.Tensor, sin: torch.Tensor,
-                  workspace: Workspace) -> None:
-    """One Qwen3 decoder layer over h [M, hidden] in place; token m is position positions[m] of cache row m // length."""
+def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, length: int, cos: torch.Tensor,
+                  sin: torch.Tensor, workspace: Workspace) -> None:
+    """One Qwen3 decoder layer: input x [M, hidden], output into h (which may be x); token m is
+    position positions[m] of cache row m // length."""
     attn, mlp = layer.self_attn, layer.mlp
-    m = h.shape[0]
+    m = x.shape[0]
     heads, head_dim = attn.heads, attn.head_dim
-    q = torch.empty(m, heads, head_dim, dtype=h.dtype, device=h.device)
-    qkv_rope(layer, h, positions, length, cos, sin, q, workspace)
-    attended = torch.empty(m, heads * head_dim, dtype=h.dtype, device=h.device)
+    q = torch.empty(m, heads, head_dim, dtype=x.dtype, device=x.device)
+    qkv_rope(layer, x, positions, length, cos, sin, q, workspace)
+    attended = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
     attention(attn, q, positions, length, attended, workspace)
-    linear(attended, attn.o_proj.weight, h, workspace, mode=1, residual=h)
-    gated = torch.empty(m, mlp.intermediate, dtype=h.dtype, device=h.device)
+    linear(attended, attn.o_proj.weight, h, workspace, mode=1, residual=x)
+    gated = torch.empty(m, mlp.intermediate, dtype=x.dtype, device=x.device)
     linear(h, mlp.gate_up_proj.weight, gated, workspace, norm=layer.post_attention_layernorm, mode=2)
     linear(gated, mlp.down_proj.weight, h, workspace, mode=1, residual=h)
