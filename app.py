@@ -14,7 +14,7 @@ from ui.app import build_demo, launch_options
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-LOCAL_MODEL_FLAGS = ("device", "dtype", "models", "tiny", "rows", "no_compile")  # what --backend replaces
+LOCAL_MODEL_FLAGS = ("device", "dtype", "models", "tiny", "rows", "no_compile", "no_fused_kernels")  # what --backend replaces
 
 
 def default_device() -> str:
@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="API key of the --backend server, sent as 'Authorization: Bearer KEY' (env QWEN_TTS_BACKEND_KEY; default: none)")
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link (default: off)")
     parser.add_argument(
-        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step's sampling, code embeddings and prefill, and of Omni's talker step (faster start, slower frames; the TTS layers run in fused Triton kernels either way; default: compiled; always off on ZeroGPU)"
+        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step's sampling, code embeddings and prefill, and of Omni's talker step (faster start, slower frames; the transformer layers run in fused Triton kernels either way unless --no-fused-kernels; default: compiled; always off on ZeroGPU)"
+    )
+    parser.add_argument(
+        "--no-fused-kernels", action="store_true", help="on CUDA, run the decode step's transformer layers as PyTorch modules (compiled unless "
+        "--no-compile) instead of the fused Triton kernels (default: fused, on GPUs of compute capability 8.0 or newer)"
     )
     return parser
 
@@ -76,7 +80,8 @@ def local_service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     zero_gpu = on_zero_gpu()
     # ZeroGPU does not support torch.compile (https://huggingface.co/docs/hub/spaces-zerogpu).
     compiled = device.startswith("cuda") and not args.no_compile and not zero_gpu
-    service = ModelService(choices, device=device, dtype=dtype, tiny=args.tiny, compiled=compiled, rows=args.rows)
+    service = ModelService(choices, device=device, dtype=dtype, tiny=args.tiny, compiled=compiled, rows=args.rows,
+                           fused=False if args.no_fused_kernels else None)
     if zero_gpu and not args.tiny and OMNI not in choices:
         # A ZeroGPU workload has 70 GB of an H200; Qwen3-Omni needs about that in bf16 before its caches.
         service.choices.pop(OMNI, None)

@@ -145,11 +145,13 @@ class ModelService:
         tiny_dir: str | Path | None = None,
         compiled: bool = False,
         rows: int | None = None,
+        fused: bool | None = None,
     ):
+        """`fused`: the fused Triton decode kernels (None: where the GPU runs them; see pipeline.kernels)."""
         merged = dict(HUB_CHECKPOINTS)
         merged.update(choices or {})
         self.choices = {kind: (TINY,) for kind in TAB_TYPES} if tiny else merged
-        self.device, self.dtype, self.compiled, self.rows = device, dtype, compiled, rows
+        self.device, self.dtype, self.compiled, self.rows, self.fused = device, dtype, compiled, rows, fused
         self._tiny_root = Path(tiny_dir) if tiny_dir else Path(tempfile.mkdtemp(prefix="qwen3-tts-tiny-"))
         self._models: dict[tuple[str, str], TTS | OmniChat] = {}  # (model type, checkpoint) -> model
         self._load_locks: dict[tuple[str, str], threading.Lock] = {}
@@ -229,12 +231,12 @@ class ModelService:
         if model_type == OMNI:
             try:
                 return OmniChat.from_pretrained(source, device=self.device, dtype=self.dtype, rows=self.rows, compiled=self.compiled,
-                                                vocoder_lanes=3 if self.device.startswith("cuda") else 1)
+                                                fused=self.fused, vocoder_lanes=3 if self.device.startswith("cuda") else 1)
             except CheckpointError as exc:
                 self._fall_back(model_type, source, str(exc))
                 return self._tiny(model_type)
         try:
-            tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype, compiled=self.compiled, rows=self.rows)
+            tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype, compiled=self.compiled, rows=self.rows, fused=self.fused)
         except CheckpointError as exc:
             self._fall_back(model_type, source, str(exc))
             return self._tiny(model_type)
@@ -265,9 +267,9 @@ class ModelService:
                         write_tiny_checkpoint(partial, model_type, seed=0)
                     partial.rename(directory)
                 if model_type == OMNI:
-                    self._models[key] = OmniChat.from_pretrained(str(directory), device=self.device, dtype=self.dtype)
+                    self._models[key] = OmniChat.from_pretrained(str(directory), device=self.device, dtype=self.dtype, fused=self.fused)
                 else:
-                    self._models[key] = TTS.from_pretrained(str(directory), device=self.device, dtype=self.dtype, rows=self.rows)
+                    self._models[key] = TTS.from_pretrained(str(directory), device=self.device, dtype=self.dtype, rows=self.rows, fused=self.fused)
             return self._models[key]
 
     # ---- voice prompts -----------------------------------------------------------------------

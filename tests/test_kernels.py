@@ -166,3 +166,22 @@ def test_attention_split_in_chunks_equals_one_program_per_head():
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
     assert torch.equal(run(16), split)
     assert not workspace.locks.any()
+
+
+@pytest.mark.parametrize("flags, fused", [([], False), (["--no-fused-kernels"], False)])
+def test_the_app_flag_reaches_the_engine(flags, fused):
+    """`--no-fused-kernels` goes from app.py through ModelService to the decode step; without it the
+    default applies (fused on CUDA GPUs of compute capability >= 8.0 only: off on this CPU)."""
+    import app
+
+    parser = app.build_parser()
+    service = app.local_service(parser.parse_args(["--tiny", "--device", "cpu", *flags]), parser)
+    assert service.fused is (False if flags else None)
+    assert service.model("custom_voice").engine.decoder.fused is fused
+
+
+def test_a_service_asked_for_the_fused_kernels_gets_them():
+    from pipeline.service import ModelService
+
+    service = ModelService(device="cpu", tiny=True, fused=True)
+    assert service.model("custom_voice").engine.decoder.fused

@@ -15,8 +15,11 @@ _WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model ->
 
 
 def fused_available(device: torch.device) -> bool:
-    """Triton's GPU kernels run on CUDA; elsewhere only its interpreter (TRITON_INTERPRET=1, the CPU tests) runs them."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    """Whether the fused kernels are the default on `device`: CUDA GPUs of compute capability 8.0 or
+    newer (Triton's bf16 tensor-core dots) with Triton installed. Elsewhere only Triton's
+    interpreter (TRITON_INTERPRET=1, the CPU tests) runs them."""
+    return (device.type == "cuda" and importlib.util.find_spec("triton") is not None
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def fused_supported(model: Transformer) -> bool:

@@ -125,7 +125,7 @@ class _Prepared:
 class OmniChat:
     def __init__(self, thinker: Thinker, tokenizer, feature_extractor, talker: OmniTalker, code2wav: Code2Wav, ids: PromptIds,
                  generation_config: dict, name: str, rows: int | None = None, max_seq: int = TALKER_MAX_SEQ,
-                 use_cuda_graphs: bool = True, compiled: bool = False, max_queue: int = 64, vocoder_lanes: int = 1):
+                 use_cuda_graphs: bool = True, compiled: bool = False, max_queue: int = 64, vocoder_lanes: int = 1, fused: bool | None = None):
         self.thinker, self.tokenizer, self.feature_extractor = thinker, tokenizer, feature_extractor
         self.talker, self.code2wav, self.ids, self.name = talker, code2wav, ids, name
         self.thinker_sampling = ThinkerSampling.from_generation_config(generation_config)
@@ -135,7 +135,7 @@ class OmniChat:
         thinker.use_graphs(use_cuda_graphs)
         with torch.inference_mode():
             self.specials = text_specials(talker, thinker.model.get_input_embeddings(), ids).to(talker.codec_head.weight.dtype)
-            decoder = BatchDecoder(talker, self.specials[0], self.rows, max_seq, use_cuda_graphs, compiled, min_new_tokens=0)
+            decoder = BatchDecoder(talker, self.specials[0], self.rows, max_seq, use_cuda_graphs, compiled, min_new_tokens=0, fused=fused)
             vocoder = MultiStreamDecoder(code2wav, self.rows, use_cuda_graphs, vocoder_lanes)
             self.engine = Engine(decoder, vocoder, max_queue=max_queue)
 
