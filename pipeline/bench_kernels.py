@@ -25,7 +25,7 @@ from pipeline.tts import TTS
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
     ("q/k/v + norms + RoPE + cache write", ("_qkv_kernel",)),
-    ("attention", ("_attention_kernel",)),
+    ("attention", ("_attention_",)),
     ("projections (o, gate/up, down)", ("_linear_kernel",)),
     ("final norms", ("_rms_norm_kernel",)),
     ("heads and embeddings (cuBLAS, gathers)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "index", "embedding")),
