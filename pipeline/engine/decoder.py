@@ -35,7 +35,8 @@ class BatchDecoder:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False,
                  min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None):
         """`fused`: the transformer layers of the step in the Triton kernels of pipeline.kernels
-        (default: on CUDA where Triton is installed); elsewhere the modules' own step, compiled if `compiled`."""
+        (default: where `fused_available` says the GPU runs them); else the modules' own step,
+        compiled if `compiled`."""
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
