@@ -78,6 +78,26 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _project(x_ptr, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, other_rows, rows_mask, pid_k, K: tl.constexpr, HAS_NORM: tl.constexpr,
+             TWO: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """RMSNorm?(x) tile @ w[rows]^T (and @ w[other_rows]^T if TWO: gate and up, a head's two halves)
+    over this program's part of K, in float32."""
+    first = tl.zeros([offs_m.shape[0], rows.shape[0]], dtype=tl.float32)
+    second = tl.zeros([offs_m.shape[0], rows.shape[0]], dtype=tl.float32)
+    K_SPLIT: tl.constexpr = K // SPLIT_K
+    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, HAS_NORM)
+        w_mask = rows_mask[:, None] & (offs_k[None, :] < K)
+        w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        first += _dot(a, tl.trans(w), IEEE)
+        if TWO:
+            w = tl.load(w_ptr + other_rows[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+            second += _dot(a, tl.trans(w), IEEE)
+    return first, second
+
+
+@triton.jit
 def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, SPLIT_K: tl.constexpr, TWO: tl.constexpr):
     """Split-K: each of the SPLIT_K programs of a tile stores its partial sums (a, and b if TWO);
     the last to arrive adds all of them in split order (the same order whichever program is last:
@@ -117,18 +137,8 @@ def _linear_kernel(x_ptr, norm_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_p
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:
         inv_rms = _inverse_rms(x_ptr, offs_m, m_mask, K, eps, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    K_SPLIT: tl.constexpr = K // SPLIT_K
-    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, HAS_NORM)
-        w_mask = n_mask[:, None] & (offs_k[None, :] < K)
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        acc += _dot(a, tl.trans(w), IEEE)
-        if MODE == 2:
-            w_up = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-            up += _dot(a, tl.trans(w_up), IEEE)
+    acc, up = _project(x_ptr, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, IEEE,
+                       SPLIT_K, BLOCK_K)
     if SPLIT_K > 1:
         acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, SPLIT_K, MODE == 2)
         if last:
@@ -167,17 +177,8 @@ def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr
     m_mask = offs_m < M
     inv_rms = _inverse_rms(x_ptr, offs_m, m_mask, K, eps, BLOCK_K)
     j = tl.arange(0, HALF)
-    first = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    second = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    K_SPLIT: tl.constexpr = K // SPLIT_K
-    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, True)
-        w_mask = offs_k[None, :] < K
-        w1 = tl.load(w_ptr + (head * HEAD_DIM + j)[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        w2 = tl.load(w_ptr + (head * HEAD_DIM + HALF + j)[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        first += _dot(a, tl.trans(w1), IEEE)
-        second += _dot(a, tl.trans(w2), IEEE)
+    first, second = _project(x_ptr, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF, pid_k,
+                             K, True, True, IEEE, SPLIT_K, BLOCK_K)
     if SPLIT_K > 1:
         first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + head, pid_k, SPLIT_K, True)
         if last:
