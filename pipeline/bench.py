@@ -78,6 +78,16 @@ def request(frames: int, seed: int = 0, **fields) -> SpeechRequest:
     return SpeechRequest(TEXT_20_WORDS, speaker="ryan", language="english", seed=seed, max_frames=frames, **fields)
 
 
+def report_header(prog: str, argv: list[str] | None, on_gpu: bool = True) -> dict:
+    """What every benchmark report starts with: the GPU (or CPU), torch's version, the date and the command line."""
+    return {
+        "gpu": torch.cuda.get_device_name() if on_gpu else "CPU",
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "command": f"python -m {prog} " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+
+
 def cuda_ms(fn, repeat: int = 1) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -271,10 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         report = {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(),
-            "command": "python -m pipeline.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            **report_header("pipeline.bench", argv),
             "rows": args.rows,
             "frames": args.frames,
             "graph_equals_eager": {**graph_equals_eager("0.6B", workdir, torch.float32), **graph_equals_eager("0.6B", workdir, torch.bfloat16)}

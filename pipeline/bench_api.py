@@ -10,7 +10,6 @@ parsing, the thread hand-offs of a streamed response, and the socket. Writes JSO
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from pipeline.bench import random_tts, request, write_report
+from pipeline.bench import random_tts, report_header, request, write_report
 from pipeline.server import Access, speech_routes
 from pipeline.service import ModelService
 
@@ -125,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(args.repeats):
                     in_process.append(in_process_ttfa(service, i, args.frames))
                     api.append(api_ttfa(client, url, i, args.frames))
-            report = {"gpu": torch.cuda.get_device_name() if cuda else "CPU", "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-                      "command": "python -m pipeline.bench_api " + " ".join(argv if argv is not None else sys.argv[1:]),
+            report = {**report_header("pipeline.bench_api", argv, on_gpu=cuda),
                       "repeats": args.repeats, "frames": args.frames, "in_process": in_process, "api": api,
                       "precision": "bf16, compiled decode step" if cuda else "float32, eager",
                       "api_together": together(url, args.together, args.frames)}

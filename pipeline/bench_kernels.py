@@ -10,7 +10,6 @@ of equal codes and the waveform error over one utterance.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.bench import RUNS, SIZES, random_tts, request, step_ms, write_report
+from pipeline.bench import RUNS, SIZES, random_tts, report_header, request, step_ms, write_report
 from pipeline.kernels.decode import Tiles
 from pipeline.tts import TTS
 
@@ -159,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         report = {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(),
-            "command": "python -m pipeline.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+            **report_header("pipeline.bench_kernels", argv),
             "sweep": sweep() if args.sweep else {},
             "float32": float32_identity(workdir, 60) if args.float32 else {},
             "sizes": {},

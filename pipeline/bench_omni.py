@@ -15,7 +15,6 @@ transformers, date and command next to the numbers).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.bench import write_report
+from pipeline.bench import report_header, write_report
 from pipeline.engine import Chunk
 from pipeline.omni.chat import THINKER_MAX_SEQ
 from pipeline.omni import ChatEnd, ChatRequest, Code2Wav, Code2WavConfig, OmniChat, OmniTalker, OmniTalkerConfig, PromptIds, TextDelta, Turn
@@ -234,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         converse(chat, requests["short text"](99))  # warm-up: allocator, cuBLAS handles, first-call paths
         report = {
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.date.today().isoformat(), "command": "python -m pipeline.bench_omni " + " ".join(argv if argv is not None else sys.argv[1:]),
+            **report_header("pipeline.bench_omni", argv), "transformers": transformers.__version__,
             "rows": args.rows, "compiled": not args.no_compile, "tokens": args.tokens, "frames": args.frames, "repeats": args.repeats, "experts": args.experts,
             "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
             "single": {name: median_run(chat, make, args.repeats) for name, make in requests.items()},
