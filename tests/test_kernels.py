@@ -145,15 +145,16 @@ def test_split_k_qkv_equals_the_unsplit_kernel():
 
 @torch.inference_mode()
 def test_attention_split_in_chunks_equals_one_program_per_head():
-    """The cache split in chunks of 16 positions (10 chunks: past the last query's position, empty
-    ones too): the same attention as one program per head, bit-identical from one launch to the next."""
+    """The cache split in chunks of 16 positions (10 chunks, of which each row uses those up to its
+    position: 1, 3 and all 10): the same attention as one program per head, bit-identical from one
+    launch to the next."""
     from pipeline.kernels.decode import Workspace, attention
 
     model, _ = twins()
     attn = model.layers[0].self_attn
     generator = torch.Generator().manual_seed(5)
-    attn.kv_cache.k.normal_(generator=generator)
-    attn.kv_cache.v.normal_(generator=generator)
+    for cache in (attn.kv_cache.k, attn.kv_cache.v):
+        cache.copy_(torch.randn(cache.shape, generator=generator))
     q = torch.randn(ROWS, 4, 16, generator=generator).to(DEVICE)
     positions = torch.tensor([0, 37, 150], device=DEVICE)
     workspace = Workspace()

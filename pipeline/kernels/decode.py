@@ -34,9 +34,10 @@ import triton.language as tl
 BLOCK_M = 16  # rows of the batch per program, whatever the batch: a row's arithmetic never depends on the batch size
 NORM_BLOCK = 256
 ATTENTION_BLOCK = 128  # cache positions per iteration of the attention loop
-# Cache lengths whose attention runs split in chunks of this many positions (measured by the sweep
-# of `python -m pipeline.bench_kernels`; none yet: the split kernels came after the last GPU run).
-ATTENTION_CHUNKS: dict[int, int] = {}
+# Cache lengths whose attention runs split in chunks of this many positions (the talker's). Measured
+# on an H200 (`python -m pipeline.bench_kernels --sweep`): chunks of 64 take 10.3 / 10.9 us at 200 /
+# 1,000 positions, one program per head 9.8 / 38.8 us (16 programs loop over the whole context).
+ATTENTION_CHUNKS: dict[int, int] = {2048: 64}
 
 
 @triton.jit
@@ -98,10 +99,11 @@ def _project(x_ptr, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, other_rows, 
 
 
 @triton.jit
-def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, SPLIT_K: tl.constexpr, TWO: tl.constexpr):
-    """Split-K: each of the SPLIT_K programs of a tile stores its partial sums (a, and b if TWO);
-    the last to arrive adds all of them in split order (the same order whichever program is last:
-    deterministic) and gets (sums, True); the others get (a, b, False). Resets the tile's lock."""
+def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, arrivals, SPLIT_K: tl.constexpr, TWO: tl.constexpr):
+    """Split-K: each of the `arrivals` (<= SPLIT_K) programs of a tile stores its partial sums (a,
+    and b if TWO); the last to arrive adds all of them in split order (the same order whichever
+    program is last: deterministic) and gets (sums, True); the others get (a, b, False). Resets
+    the tile's lock."""
     size: tl.constexpr = a.shape[0] * a.shape[1]
     offs = tl.arange(0, a.shape[0])[:, None] * a.shape[1] + tl.arange(0, a.shape[1])[None, :]
     tile_ptr = partial_ptr + tile * (SPLIT_K * 2 * size)
@@ -109,11 +111,11 @@ def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, SPLIT_K: tl.constexpr,
     if TWO:
         tl.store(tile_ptr + split * 2 * size + size + offs, b)
     tl.debug_barrier()  # every thread's partial is written before the program announces it
-    last = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+    last = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == arrivals - 1
     if last:
         a = tl.zeros(a.shape, dtype=tl.float32)
         b = tl.zeros(b.shape, dtype=tl.float32)
-        for k in tl.static_range(SPLIT_K):
+        for k in range(0, arrivals):
             a += tl.load(tile_ptr + k * 2 * size + offs, cache_modifier=".cg")
             if TWO:
                 b += tl.load(tile_ptr + k * 2 * size + size + offs, cache_modifier=".cg")
@@ -140,7 +142,7 @@ def _linear_kernel(x_ptr, norm_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_p
     acc, up = _project(x_ptr, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, IEEE,
                        SPLIT_K, BLOCK_K)
     if SPLIT_K > 1:
-        acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, SPLIT_K, MODE == 2)
+        acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, SPLIT_K, SPLIT_K, MODE == 2)
         if last:
             _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE)
     else:
@@ -180,7 +182,7 @@ def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr
     first, second = _project(x_ptr, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF, pid_k,
                              K, True, True, IEEE, SPLIT_K, BLOCK_K)
     if SPLIT_K > 1:
-        first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + head, pid_k, SPLIT_K, True)
+        first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + head, pid_k, SPLIT_K, SPLIT_K, True)
         if last:
             _qkv_epilogue(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head,
                           L, head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM)
@@ -272,54 +274,59 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, L, scal
 
 
 @triton.jit
-def _chunk_scores(q_ptr, k_cache_ptr, pos_ptr, L, scale, cache_row, cache_head,
+def _chunk_scores(q_ptr, k_cache_ptr, count, L, scale, cache_row, cache_head,
                   HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
     """Scores of program (row m, query head, chunk) over its chunk of cache positions, -inf past the query's position."""
     m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (m * HEADS + head) * HEAD_DIM + d).to(tl.float32)
-    count = tl.load(pos_ptr + m) + 1
     base = (m // L) * cache_row + (head // GROUP) * cache_head
     offs_s = chunk * CHUNK + tl.arange(0, CHUNK)
-    return _scores(k_cache_ptr + base, q, offs_s, count, d, scale, HEAD_DIM), offs_s, count, base
+    return _scores(k_cache_ptr + base, q, offs_s, count, d, scale, HEAD_DIM), offs_s, base
 
 
 @triton.jit
 def _attention_stats_kernel(q_ptr, k_cache_ptr, pos_ptr, stats_ptr, L, scale, cache_row, cache_head,
                             HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
-    """Split attention, first pass: each chunk's maximum score and its sum of exp(score - maximum)
-    (-inf and 0 for a chunk past the query's position)."""
+    """Split attention, first pass: each chunk's maximum score and its sum of exp(score - maximum).
+    Chunks past the query's position do nothing (a row's cache is read up to its own position only)."""
     m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s, offs_s, count, base = _chunk_scores(q_ptr, k_cache_ptr, pos_ptr, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
-    top = tl.maximum(tl.max(s, axis=0), -1e30)  # finite for a chunk past the query's position, whose sum is 0
-    total = tl.sum(tl.where(offs_s < count, tl.exp(s - top), 0.0), axis=0)
-    slot = ((m * HEADS + head) * CHUNKS + chunk) * 2
-    tl.store(stats_ptr + slot, top)
-    tl.store(stats_ptr + slot + 1, total)
+    count = tl.load(pos_ptr + m) + 1
+    if chunk * CHUNK < count:
+        s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
+        top = tl.max(s, axis=0)  # finite: the chunk's first position is at or before the query's
+        total = tl.sum(tl.where(offs_s < count, tl.exp(s - top), 0.0), axis=0)
+        slot = ((m * HEADS + head) * CHUNKS + chunk) * 2
+        tl.store(stats_ptr + slot, top)
+        tl.store(stats_ptr + slot + 1, total)
 
 
 @triton.jit
 def _attention_chunks_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr, partial_ptr, lock_ptr, out_ptr, L, scale, cache_row, cache_head,
                              HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
                              CHUNKS_P2: tl.constexpr):
-    """Split attention, second pass: the softmax's maximum and sum from every chunk's (in chunk
-    order), this chunk's probabilities rounded as the reference's, their weighted values; the last
-    chunk to finish adds the chunks' values in chunk order."""
+    """Split attention, second pass, over the chunks that hold positions up to the query's: the
+    softmax's maximum and sum from every such chunk's (in chunk order), this chunk's probabilities
+    rounded as the reference's, their weighted values; the last chunk to finish adds the chunks'
+    values in chunk order."""
     m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    dt = out_ptr.dtype.element_ty
-    s, offs_s, count, base = _chunk_scores(q_ptr, k_cache_ptr, pos_ptr, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
-    c = tl.arange(0, CHUNKS_P2)
-    slots = ((m * HEADS + head) * CHUNKS + c) * 2
-    tops = tl.load(stats_ptr + slots, mask=c < CHUNKS, other=float("-inf"))
-    top = tl.max(tops, axis=0)
-    total = tl.sum(tl.load(stats_ptr + slots + 1, mask=c < CHUNKS, other=0.0) * tl.exp(tops - top), axis=0)
-    p = _round(tl.where(offs_s < count, tl.exp(s - top), 0.0) / total, dt)
-    d = tl.arange(0, HEAD_DIM)
-    values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
-    acc = tl.sum(p[:, None] * values, axis=0)[None, :]
-    acc, _, last = _sum_splits(acc, acc, partial_ptr, lock_ptr, m * HEADS + head, chunk, CHUNKS, False)
-    if last:
-        tl.store(out_ptr + (m * HEADS + head) * HEAD_DIM + d[None, :], acc.to(dt))
+    count = tl.load(pos_ptr + m) + 1
+    active = tl.cdiv(count, CHUNK)
+    if chunk < active:
+        dt = out_ptr.dtype.element_ty
+        s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
+        c = tl.arange(0, CHUNKS_P2)
+        slots = ((m * HEADS + head) * CHUNKS + c) * 2
+        tops = tl.load(stats_ptr + slots, mask=c < active, other=float("-inf"))
+        top = tl.max(tops, axis=0)
+        total = tl.sum(tl.load(stats_ptr + slots + 1, mask=c < active, other=0.0) * tl.exp(tops - top), axis=0)
+        p = _round(tl.where(offs_s < count, tl.exp(s - top), 0.0) / total, dt)
+        d = tl.arange(0, HEAD_DIM)
+        values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
+        acc = tl.sum(p[:, None] * values, axis=0)[None, :]
+        acc, _, last = _sum_splits(acc, acc, partial_ptr, lock_ptr, m * HEADS + head, chunk, active, CHUNKS, False)
+        if last:
+            tl.store(out_ptr + (m * HEADS + head) * HEAD_DIM + d[None, :], acc.to(dt))
 
 
 @triton.jit
@@ -373,13 +380,19 @@ class Workspace:
         return self.softmax_stats
 
 
-# Measured on an H200 (`python -m pipeline.bench_kernels --sweep`, 2026-11-23), bf16, per (kernel, N, K):
-# 16 x 256 tiles, 4 warps, 3 stages were the fastest or within 3% for every shape of the 0.6B and
-# 1.7B layers but these. The choice depends on the weight's shape only, never on the batch.
+# Measured on an H200 (`python -m pipeline.bench_kernels --sweep`, 2026-11-23), bf16, one row, per
+# (kernel, N, K); 16 x 256 tiles, 4 warps, 3 stages elsewhere. Split-K wins wherever a weight has
+# few column blocks (q/k/v: 32 heads; o and down: 1,024-2,048 columns). The choice depends on the
+# weight's shape only, never on the batch.
 TUNED: dict[tuple[str, int, int], Tiles] = {
-    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8),  # 8.6 us against 9.1
-    ("linear2", 3072, 1024): Tiles(block_n=32),  # gate/up, 0.6B: 6.5 us against 7.6
-    ("linear2", 6144, 2048): Tiles(block_n=32),  # gate/up, 1.7B: 16.6 us against 23.0
+    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, split_k=4),  # 6.3 us against 8.6 unsplit
+    ("qkv", 4096, 2048): Tiles(block_k=128, num_warps=8, split_k=4),  # 10.6 us
+    ("linear1", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o-proj, 0.6B: 4.3 us
+    ("linear1", 1024, 3072): Tiles(block_n=32, block_k=128, split_k=8),  # down, 0.6B: 5.1 us
+    ("linear2", 3072, 1024): Tiles(block_n=32),  # gate/up, 0.6B: 6.8 us
+    ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o-proj, 1.7B: 5.1 us
+    ("linear1", 2048, 6144): Tiles(block_n=32, split_k=4),  # down, 1.7B: 8.0 us
+    ("linear2", 6144, 2048): Tiles(block_n=32),  # gate/up, 1.7B: 16.5 us
 }
 
 
