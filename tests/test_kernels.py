@@ -170,6 +170,30 @@ def test_attention_split_in_chunks_equals_one_program_per_head():
     assert not workspace.locks.any()
 
 
+@torch.inference_mode()
+def test_fused_sampling_draws_the_tokens_of_sample_rows():
+    """The one-kernel sampling chain against sample_rows, row by row, over settings that exercise
+    each rule: greedy, temperature, top-k (off, 1, small, above the vocabulary), top-p, and
+    suppressed (-inf) logits; the same noise gives the same token."""
+    from pipeline.engine.sampling import RowSampling, exponential_noise, sample_rows
+    from pipeline.kernels import fused_sample
+
+    rows, vocab = 7, 200
+    generator = torch.Generator().manual_seed(11)
+    logits = (3 * torch.randn(rows, vocab, generator=generator)).to(DEVICE)
+    logits[:, -40:] = float("-inf")
+    settings = RowSampling.zeros(rows, torch.device(DEVICE))
+    for row, values in enumerate([(True, 0.9, 50, 1.0), (True, 1.0, 0, 0.8), (False, 1.0, 0, 1.0), (True, 0.7, 5, 0.5),
+                                  (True, 1.3, 500, 0.95), (True, 0.9, 1, 1.0), (True, 2.0, 0, 1.0)]):
+        settings.set_row(row, *values)
+    seeds = torch.arange(rows, device=DEVICE) * 7919 + 1
+    for draw in range(3):
+        noise = exponential_noise(seeds, torch.full((rows,), draw * vocab, device=DEVICE), vocab)
+        expected = sample_rows(logits, settings, noise)
+        assert torch.equal(fused_sample(logits, settings, noise), expected)
+    assert expected[2] == logits[2].argmax() and expected[5] == logits[5].argmax()  # greedy, and top-k 1
+
+
 @pytest.mark.parametrize("flags, fused", [([], False), (["--no-fused-kernels"], False)])
 def test_the_app_flag_reaches_the_engine(flags, fused):
     """`--no-fused-kernels` goes from app.py through ModelService to the decode step; without it the

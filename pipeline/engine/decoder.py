@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from pipeline.graphs import CUDAGraphed
-from pipeline.kernels import fused_available, fused_decode, fused_supported
+from pipeline.kernels import fused_available, fused_decode, fused_sample, fused_supported
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer
 
@@ -34,9 +34,9 @@ GENERATION_PRIORITY = -1
 class BatchDecoder:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False,
                  min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None):
-        """`fused`: the transformer layers of the step in the Triton kernels of pipeline.kernels
-        (default: where `fused_available` says the GPU runs them); else the modules' own step,
-        compiled if `compiled`."""
+        """`fused`: the transformer layers of the step in the Triton kernels of pipeline.kernels,
+        and on CUDA its sampling too (default: where `fused_available` says the GPU runs them);
+        else the modules' own step, compiled if `compiled`."""
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
@@ -97,6 +97,10 @@ class BatchDecoder:
             # One compile for every bucket length (eager, a prefill is ~50 kernels per layer: 4.7 ms
             # of GPU time for 60 positions of the 0.6B on an H200, a stall for the running rows).
             self.talker_prefill = torch.compile(talker.model.prefill, fullgraph=True, dynamic=True)
+        if self.fused and device.type == "cuda":
+            # One kernel instead of a sort, two softmaxes, a scan and an argmax, 16 times a frame
+            # (not on CPU: Triton's interpreter takes a third of a second per row).
+            self.sample = fused_sample
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.step_graph = CUDAGraphed(self._step, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
         self.buckets = sorted({min(b, max_seq) for b in PREFILL_BUCKETS})

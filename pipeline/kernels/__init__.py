@@ -1,7 +1,8 @@
-"""Fused Triton kernels for the decode step (five per transformer layer); `fused_decode` is the entry point.
+"""Fused Triton kernels for the decode step: `fused_decode` (five kernels per transformer layer) and
+`fused_sample` (the sampling chain in one kernel) are the entry points.
 
-It computes what `Transformer.decode` computes, for every cache row at once, reading the same
-modules' weights and writing the same KV caches, so the rest of the engine is unchanged."""
+`fused_decode` computes what `Transformer.decode` computes, for every cache row at once, reading
+the same modules' weights and writing the same KV caches, so the rest of the engine is unchanged."""
 from __future__ import annotations
 
 import importlib.util
@@ -47,3 +48,10 @@ def fused_decode(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -
         decoder_layer(layer, source, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace)
         source = h
     return rms_norm(h, model.norm).view(rows, length, hidden)
+
+
+def fused_sample(logits: torch.Tensor, settings, noise: torch.Tensor) -> torch.Tensor:
+    """`pipeline.engine.sampling.sample_rows` in one kernel (CUDA; Triton's interpreter on CPU)."""
+    from pipeline.kernels.sampling import sample
+
+    return sample(logits, settings, noise)
