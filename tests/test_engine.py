@@ -245,14 +245,27 @@ def test_streamed_audio_equals_offline_decode_for_any_schedule(models):
         assert np.abs(audio - tts.decode(handle.codes)).max() <= 1e-5
 
 
+def test_early_and_steady_chunks_have_lanes_of_their_own():
+    """Two rows' first chunks vocode side by side, and so do their steady chunks, in other lanes."""
+    from pipeline.engine.core import EARLY_CHUNKS, vocoder_lane
+
+    assert [vocoder_lane(row, 0, 4) for row in range(4)] == [0, 1, 0, 1]
+    assert [vocoder_lane(row, EARLY_CHUNKS, 4) for row in range(4)] == [2, 3, 2, 3]
+    assert [vocoder_lane(row, chunk, 3) for row in range(2) for chunk in (0, EARLY_CHUNKS)] == [0, 2, 1, 2]
+    assert {vocoder_lane(row, chunk, 1) for row in range(3) for chunk in range(6)} == {0}
+
+
 def test_vocoder_lanes_change_nothing_in_the_audio(tiny_checkpoints, models):
     """A stream's first chunks and its steady chunks run in different vocoder lanes (working states)
-    when there are several, as on CUDA: the row's state passes between them intact."""
-    laned = TTS.from_pretrained(str(tiny_checkpoints["voice_design"]), rows=2, vocoder_lanes=3)
-    request = SpeechRequest("Calm words, in lanes.", instruct="Calm.", seed=4, max_frames=60)
-    one_lane = models["voice_design"].synthesize(request)
-    three = laned.synthesize(request)
-    assert laned.engine.vocoder.lanes == 3
-    np.testing.assert_array_equal(three.codes, one_lane.codes)
-    np.testing.assert_array_equal(three.audio, one_lane.audio)
+    when there are several, as on CUDA, and two streams' steady chunks in two lanes: each row's
+    state passes between them intact."""
+    laned = TTS.from_pretrained(str(tiny_checkpoints["voice_design"]), rows=2, vocoder_lanes=4)
+    requests = [SpeechRequest("Calm words, in lanes.", instruct="Calm.", seed=seed, max_frames=60) for seed in (4, 5)]
+    alone = [models["voice_design"].synthesize(r) for r in requests]
+    handles = [laned.submit(r) for r in requests]
+    audio = [np.concatenate([chunk.audio for chunk in handle]) for handle in handles]
+    assert laned.engine.vocoder.lanes == 4
+    for one, handle, laned_audio in zip(alone, handles, audio):
+        np.testing.assert_array_equal(handle.codes.numpy(), one.codes)
+        np.testing.assert_array_equal(laned_audio, one.audio)
     laned.engine.shutdown()

@@ -95,6 +95,17 @@ def chunk_sizes(schedule: Sequence[int]) -> Iterator[int]:
     return itertools.chain(schedule, itertools.repeat(schedule[-1]))
 
 
+def vocoder_lane(row: int, chunk_index: int, lanes: int) -> int:
+    """A stream's first chunks in the first half of the lanes, its steady chunks in the others, by
+    row: simultaneous arrivals vocode side by side, a new stream's second chunk (due 80 ms after
+    its first) never waits behind a queue of 16-frame chunks, and two running streams' 16-frame
+    chunks overlap (one call leaves part of an H200 idle: two calls at once take 1.6x one)."""
+    if lanes == 1:
+        return 0
+    early = (lanes + 1) // 2
+    return row % early if chunk_index < EARLY_CHUNKS else early + row % (lanes - early)
+
+
 class Handle:
     """A submitted request: iterate for `Chunk`s, `close()` to cancel. `events()` also yields
     `Queued` records while the request waits for a row."""
@@ -464,7 +475,7 @@ class Engine:
         state = self.slots[row]
         job = handle.job
         try:
-            with self._vocoder_stream(row, self._vocoder_lane(state)) as stream:
+            with self._vocoder_stream(row, vocoder_lane(state.row, state.chunk_index, self.vocoder.lanes)) as stream:
                 if job.ready is not None:
                     stream.wait_event(job.ready)
                 self.vocoder.reset_row(row, job.vocoder_state)
@@ -550,7 +561,7 @@ class Engine:
         codes = np.stack(state.codes)
         audio = torch.empty(self.vocoder.output_samples(state.row, len(codes)), pin_memory=self.cuda)
         timer, done = _Timer(self.cuda), torch.cuda.Event() if self.cuda else None
-        lane = self._vocoder_lane(state)
+        lane = vocoder_lane(state.row, state.chunk_index, self.vocoder.lanes)
         with self._vocoder_stream(state.row, lane):
             timer.start()
             self.vocoder.decode(state.row, torch.from_numpy(codes).pin_memory() if self.cuda else torch.from_numpy(codes), audio, lane)
@@ -563,15 +574,6 @@ class Engine:
         state.codes = []
         state.generate_ms = 0.0
         state.next_size = next(state.sizes)
-
-    def _vocoder_lane(self, state: _Row) -> int:
-        """A stream's first chunks in the first lanes (by row, so that simultaneous arrivals vocode
-        side by side), its steady chunks in the last: a new stream's second chunk, due 80 ms after
-        its first, then never waits behind a queue of 16-frame chunks of the running streams."""
-        lanes = self.vocoder.lanes
-        if lanes == 1:
-            return 0
-        return state.row % (lanes - 1) if state.chunk_index < EARLY_CHUNKS else lanes - 1
 
     @contextlib.contextmanager
     def _vocoder_stream(self, row: int, lane: int):
