@@ -28,7 +28,8 @@ KINDS = (  # (kind, substrings of kernel names), first match wins
     ("projections (o, gate/up, down)", ("_linear_kernel",)),
     ("final norms", ("_rms_norm_kernel",)),
     ("heads and embeddings (cuBLAS, gathers)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "index", "embedding")),
-    ("sampling and step glue (inductor)", ("triton_", "sort", "scan", "softmax", "reduce")),
+    ("sampling (fused)", ("_sample_kernel",)),
+    ("step glue (inductor)", ("triton_", "sort", "scan", "softmax", "reduce")),
 )
 
 

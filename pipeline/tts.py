@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ = 2048  # talker positions per segment: prompt + up to ~2.5 min of audio; long texts are split
 DEFAULT_ROWS = {"cuda": 16, "cpu": 4}  # utterances decoded together (the batch of the decode step)
-VOCODER_LANES = {"cuda": 4}  # vocoder calls that may run at once (Engine._vocoder_lane); one on the CPU
+VOCODER_LANES = {"cuda": 4}  # vocoder calls that may run at once (pipeline.engine.core.vocoder_lane); one on the CPU
 SAMPLES_PER_FRAME = 1920
 
 
