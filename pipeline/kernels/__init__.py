@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.model import MLP, Transformer
+
+if TYPE_CHECKING:  # pipeline.engine imports this package
+    from pipeline.engine.sampling import RowSampling
 
 _WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its split-K workspace
 
@@ -50,7 +54,7 @@ def fused_decode(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -
     return rms_norm(h, model.norm).view(rows, length, hidden)
 
 
-def fused_sample(logits: torch.Tensor, settings, noise: torch.Tensor) -> torch.Tensor:
+def fused_sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor) -> torch.Tensor:
     """`pipeline.engine.sampling.sample_rows` in one kernel (CUDA; Triton's interpreter on CPU)."""
     from pipeline.kernels.sampling import sample
 

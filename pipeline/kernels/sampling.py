@@ -10,9 +10,14 @@ candidates tie to that bit.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from pipeline.engine.sampling import RowSampling
 
 
 @triton.jit
@@ -45,7 +50,7 @@ def _sample_kernel(logits_ptr, noise_ptr, do_sample_ptr, temperature_ptr, top_k_
     tl.store(out_ptr + row, tl.where(tl.load(do_sample_ptr + row) != 0, drawn, greedy).to(tl.int64))
 
 
-def sample(logits: torch.Tensor, settings, noise: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor) -> torch.Tensor:
     """`sample_rows(logits, settings, noise)` in one kernel: logits, noise [rows, V] float32 -> token ids [rows]."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
