@@ -309,10 +309,6 @@ class CodePredictor(nn.Module):
         else:
             self.small_to_mtp_projection = nn.Identity()
 
-    def logits(self, hidden: torch.Tensor, head: int) -> torch.Tensor:
-        """Transformer output at the last position [B, hidden] -> logits of codebook `head + 1` [B, vocab]."""
-        return self.lm_head[head](hidden)
-
 
 class TalkerModel(Transformer):
     def __init__(self, config: TalkerConfig):

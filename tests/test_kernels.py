@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from pipeline.engine.decoder import BatchDecoder  # noqa: E402
-from pipeline.kernels import fused_decode, fused_supported  # noqa: E402
+from pipeline.kernels import fused_decode, fused_decode_logits, fused_supported  # noqa: E402
 from pipeline.model import Transformer  # noqa: E402
 from pipeline.request import SpeechRequest  # noqa: E402
 from pipeline.tts import TTS  # noqa: E402
@@ -57,6 +57,29 @@ def test_fused_decode_equals_the_module_decode(shape):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         positions = positions[:, -1:] + 1
     torch.testing.assert_close(caches(fused), caches(model), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="Triton's interpreter does not round bfloat16 as the GPU does"))])
+@torch.inference_mode()
+def test_fused_logits_equal_the_modules_norm_and_head(dtype):
+    """The final norm and an output head of 40 codes in one kernel: float32 logits of the last
+    position, rounded to the activations' dtype first as `F.linear(...).float()` rounds them (in
+    bfloat16 every logit is then a bfloat16 value), for the code predictor's two-token first step
+    and a one-token step."""
+    model, fused = (m.to(dtype) for m in twins())
+    head = (torch.randn(40, 64, generator=torch.Generator().manual_seed(3)) * 0.2).to(DEVICE, dtype)
+    generator = torch.Generator().manual_seed(4)
+    positions = torch.tensor([[0, 1], [4, 5], [9, 10]], device=DEVICE)
+    for _ in range(2):
+        x = torch.randn(ROWS, positions.shape[1], 64, generator=generator).to(DEVICE, dtype)
+        expected = torch.nn.functional.linear(model.decode(x, positions)[:, -1], head).float()
+        got = fused_decode_logits(fused, x, positions, head)
+        assert got.dtype == torch.float32 and got.shape == (ROWS, 40)
+        assert torch.equal(got, got.to(dtype).float())
+        tolerance = 1e-5 if dtype == torch.float32 else 0.05
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+        positions = positions[:, -1:] + 1
 
 
 @torch.inference_mode()

@@ -70,7 +70,7 @@ def test_code_predictor_matches(pair):
         expected = reference.code_predictor.model(inputs_embeds=x).last_hidden_state
         got = ours.code_predictor.model.prefill(x, torch.zeros(1, dtype=torch.long))
         assert (got - expected).abs().max() <= TOL
-        assert (ours.code_predictor.logits(got[:, -1], 0) - reference.code_predictor.lm_head[0](expected[:, -1])).abs().max() <= TOL
+        assert (ours.code_predictor.lm_head[0](got[:, -1]) - reference.code_predictor.lm_head[0](expected[:, -1])).abs().max() <= TOL
 
 
 def test_a_code_predictor_narrower_than_the_talker_is_refused():

@@ -18,9 +18,10 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.graphs import CUDAGraphed
-from pipeline.kernels import fused_available, fused_decode, fused_sample, fused_supported
+from pipeline.kernels import fused_available, fused_decode, fused_decode_logits, fused_sample, fused_supported
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer
 
@@ -83,7 +84,7 @@ class BatchDecoder:
 
         self.fused = fused_available(device) if fused is None else fused
         self.talker_decode = self._decode_step(talker.model, compiled)
-        self.predictor_decode = self._decode_step(talker.code_predictor.model, compiled)
+        self.predictor_logits = self._logits_step(talker.code_predictor.model, compiled)
         self.talker_prefill = talker.model.prefill
         self.talker_extend = talker.model.extend
         self.sample, self.noise = sample_rows, exponential_noise
@@ -117,6 +118,14 @@ class BatchDecoder:
         if self.fused and fused_supported(model):
             return partial(fused_decode, model)
         return torch.compile(model.decode, fullgraph=True, dynamic=False) if compiled else model.decode
+
+    def _logits_step(self, model: Transformer, compiled: bool):
+        """(x, positions, head weight) -> float32 logits of the last position: `model`'s decode step and
+        the head, with the final norm and the head in one kernel where the fused kernels apply."""
+        if self.fused and fused_supported(model):
+            return partial(fused_decode_logits, model)
+        decode = self._decode_step(model, compiled)
+        return lambda x, positions, head: F.linear(decode(x, positions)[:, -1], head).float()
 
     # ---- rows joining, waiting and leaving ---------------------------------------------------
 
@@ -258,8 +267,8 @@ class BatchDecoder:
         for head in range(self.sub_steps):
             if head:
                 embeds = predictor.model.codec_embedding[head - 1](codes[-1])[:, None]
-            hidden = self.predictor_decode(project(embeds), self.cp_positions[head])[:, -1]
-            codes.append(self.sample(predictor.logits(hidden, head).float(), self.sub_sampling, noise[:, head]))
+            logits = self.predictor_logits(project(embeds), self.cp_positions[head], predictor.lm_head[head].weight)
+            codes.append(self.sample(logits, self.sub_sampling, noise[:, head]))
         return torch.stack(codes, dim=1)
 
     def _step(self) -> None:

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the decode step: `fused_decode` (five kernels per transformer layer) and
+"""Fused Triton kernels for the decode step: `fused_decode` (five kernels per transformer layer),
+`fused_decode_logits` (the same, then the final norm and an output head in one kernel) and
 `fused_sample` (the sampling chain in one kernel) are the entry points.
 
 `fused_decode` computes what `Transformer.decode` computes, for every cache row at once, reading
@@ -40,7 +41,28 @@ def fused_supported(model: Transformer) -> bool:
 @torch.inference_mode()
 def fused_decode(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """`model.decode(x, positions)` in fused kernels: x [rows, L, hidden] for every cache row at `positions` [rows, L]."""
-    from pipeline.kernels.decode import Workspace, decoder_layer, rms_norm
+    from pipeline.kernels.decode import rms_norm
+
+    rows, length, hidden = x.shape
+    return rms_norm(_layers(model, x, positions), model.norm).view(rows, length, hidden)
+
+
+@torch.inference_mode()
+def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """`F.linear(model.decode(x, positions)[:, -1], head).float()` in fused kernels: the final RMSNorm
+    of the last position in the prologue of the head's matmul, float32 logits [rows, vocab] out of its
+    epilogue (one kernel for the three; the code predictor runs it 15 times a frame)."""
+    from pipeline.kernels.decode import linear
+
+    rows, length, hidden = x.shape
+    last = _layers(model, x, positions).view(rows, length, hidden)[:, -1]
+    logits = torch.empty(rows, head.shape[0], dtype=torch.float32, device=x.device)
+    return linear(last.contiguous(), head, logits, _WORKSPACES[model], norm=model.norm)
+
+
+def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The residual stream [rows * L, hidden] after every layer of `model` (before the final norm)."""
+    from pipeline.kernels.decode import Workspace, decoder_layer
 
     workspace = _WORKSPACES.setdefault(model, Workspace())
     rows, length, hidden = x.shape
@@ -51,7 +73,7 @@ def fused_decode(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -
     for layer in model.layers:
         decoder_layer(layer, source, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace)
         source = h
-    return rms_norm(h, model.norm).view(rows, length, hidden)
+    return h
 
 
 def fused_sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,8 @@ def _linear_kernel(x_ptr, norm_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ w^T); program (row block, column block, K split).
 
-    MODE 0: plain; 1: out = residual + result (res_ptr may be out_ptr: the program that finishes a
+    MODE 0: plain (out may be float32 for activations in a narrower dtype: the result is rounded to
+    the activations' dtype first, as `F.linear(...).float()`); 1: out = residual + result (res_ptr may be out_ptr: the program that finishes a
     tile reads its residual before writing it); 2: w holds gate rows [0, N) then up rows [N, 2N):
     out = SiLU(gate) * up."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -144,14 +145,15 @@ def _linear_kernel(x_ptr, norm_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_p
     if SPLIT_K > 1:
         acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, SPLIT_K, SPLIT_K, MODE == 2)
         if last:
-            _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE)
+            _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE, x_ptr.dtype.element_ty)
     else:
-        _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE)
+        _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE, x_ptr.dtype.element_ty)
 
 
 @triton.jit
-def _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N: tl.constexpr, MODE: tl.constexpr):
-    dt = out_ptr.dtype.element_ty
+def _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N: tl.constexpr, MODE: tl.constexpr, dt):
+    """`dt`: the activation dtype, to which the product is rounded as the unfused matmul rounds it
+    (stored in out's dtype, which may be wider: float32 logits)."""
     out = _round(acc, dt)
     out_offs = offs_m[:, None] * N + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -160,7 +162,7 @@ def _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, 
     if MODE == 2:
         # silu in float32 on the rounded gate, rounded, times the rounded up projection: as F.silu(gate) * up
         out = _round(out * tl.sigmoid(out), dt) * _round(up, dt)
-    tl.store(out_ptr + out_offs, out.to(dt), mask=out_mask)
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
