@@ -24,6 +24,8 @@ stream stays within ~2e-6 of its offline decode, as before, and is bit-identical
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -32,7 +34,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-# Tiles from a sweep on an H100 (docs/BENCHMARKS.md, "Vocoder residual units"): 16-frame call 4.35 ms,
+# Tiles from a sweep on an H100 (docs/BENCHMARKS.md, "the vocoder's residual units in Triton"): 16-frame call 4.35 ms,
 # one-frame call 2.49 ms (PyTorch's ops: 5.46 / 3.20); 128-sample or 64-channel tiles were no faster.
 BLOCK_CO = 32  # output channels per program
 BLOCK_CI = 32  # input channels per step of the reduction
@@ -43,9 +45,15 @@ PRECISION = "tf32x3"  # Triton's name for the split-TF32 dots
 
 
 def fused_residual_available(x: torch.Tensor) -> bool:
-    """Whether `residual_unit` runs for `x`: float32 activations on a CUDA device, Triton installed
-    (Triton's interpreter runs it anywhere, for the tests)."""
-    return triton is not None and x.is_cuda and x.dtype == torch.float32
+    """Whether `residual_unit` runs for `x`: float32 activations on a CUDA GPU with TF32 tensor cores
+    (compute capability 8.0 or newer; an older one, e.g. a T4 Space, keeps PyTorch's ops), Triton
+    installed. (Triton's interpreter runs it anywhere, for the tests.)"""
+    return triton is not None and x.is_cuda and x.dtype == torch.float32 and _tf32_cores(x.device)
+
+
+@functools.cache
+def _tf32_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def residual_unit(unit, x: torch.Tensor, state) -> torch.Tensor:
