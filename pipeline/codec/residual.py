@@ -25,6 +25,7 @@ stream stays within ~2e-6 of its offline decode, as before, and is bit-identical
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
+
+if TYPE_CHECKING:  # pipeline.codec.decoder imports this module
+    from pipeline.codec.decoder import ResidualUnit, SnakeBeta
+    from pipeline.codec.streaming import StreamState
 
 # Tiles from a sweep on an H100 (docs/BENCHMARKS.md, "the vocoder's residual units in Triton"): 16-frame call 4.35 ms,
 # one-frame call 2.49 ms (PyTorch's ops: 5.46 / 3.20); 128-sample or 64-channel tiles were no faster.
@@ -56,7 +61,7 @@ def _tf32_cores(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def residual_unit(unit, x: torch.Tensor, state) -> torch.Tensor:
+def residual_unit(unit: "ResidualUnit", x: torch.Tensor, state: "StreamState") -> torch.Tensor:
     """`unit` (a codec ResidualUnit) applied to x [B, C, T], advancing its stream state in `state`
     exactly as the module's own forward does (the stored history is conv1's input, snake(x)).
 
@@ -77,8 +82,8 @@ def residual_unit(unit, x: torch.Tensor, state) -> torch.Tensor:
     return _convolve(hidden, unit.conv2_taps, unit.conv2.conv.bias, 1, length, residual=x)
 
 
-def _convolve(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor, dilation: int, length: int, snake=None,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
+def _convolve(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor, dilation: int, length: int,
+              snake: "SnakeBeta | None" = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """out[b, t, o] = bias[o] + sum_k,i taps[k, o, i] * window[b, t + k * dilation, i], for t < `length`
     (window channels-last), then SnakeBeta (`snake`'s parameters; out channels-last) or
     + residual[b, o, t] (out channels-first, [B, C, T] as the next layer takes it)."""
@@ -88,6 +93,7 @@ def _convolve(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor, dila
     out = torch.empty(shape, device=window.device, dtype=window.dtype)
     block_t = _time_block(length, triton.cdiv(out_channels, BLOCK_CO) * batch)
     grid = (triton.cdiv(length, block_t), triton.cdiv(out_channels, BLOCK_CO), batch)
+    # The kernel takes every pointer; those of an epilogue it does not run are never read.
     alpha, inv_beta = (snake.alpha_exp, snake.inv_beta) if snake is not None else (bias, bias)
     res = residual if residual is not None else out
     _conv_kernel[grid](window, taps, bias, alpha, inv_beta, res, out, in_channels, out_channels, window.shape[1], length, dilation,

@@ -129,10 +129,10 @@ def _linear_kernel(x_ptr, norm_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ w^T); program (row block, column block, K split).
 
-    MODE 0: plain (out may be float32 for activations in a narrower dtype: the result is rounded to
-    the activations' dtype first, as `F.linear(...).float()`); 1: out = residual + result (res_ptr may be out_ptr: the program that finishes a
-    tile reads its residual before writing it); 2: w holds gate rows [0, N) then up rows [N, 2N):
-    out = SiLU(gate) * up."""
+    MODE 0: plain (out may be float32 for activations in a narrower dtype: the result is rounded
+    to the activations' dtype first, as `F.linear(...).float()`); 1: out = residual + result
+    (res_ptr may be out_ptr: the program that finishes a tile reads its residual before writing
+    it); 2: w holds gate rows [0, N) then up rows [N, 2N): out = SiLU(gate) * up."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
