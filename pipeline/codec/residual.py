@@ -24,10 +24,11 @@ stream stays within ~2e-6 of its offline decode, as before, and is bit-identical
 """
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
+
+from pipeline.kernels import fused_available
 
 try:
     import triton
@@ -50,15 +51,11 @@ PRECISION = "tf32x3"  # Triton's name for the split-TF32 dots
 
 
 def fused_residual_available(x: torch.Tensor) -> bool:
-    """Whether `residual_unit` runs for `x`: float32 activations on a CUDA GPU with TF32 tensor cores
-    (compute capability 8.0 or newer; an older one, e.g. a T4 Space, keeps PyTorch's ops), Triton
-    installed. (Triton's interpreter runs it anywhere, for the tests.)"""
-    return triton is not None and x.is_cuda and x.dtype == torch.float32 and _tf32_cores(x.device)
-
-
-@functools.cache
-def _tf32_cores(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    """Whether `residual_unit` runs for `x`: float32 activations where the fused decode kernels run
+    (`pipeline.kernels.fused_available`: a CUDA GPU of compute capability 8.0 or newer, with TF32
+    tensor cores, and Triton; an older GPU, e.g. a T4 Space, keeps PyTorch's ops). Triton's
+    interpreter runs it anywhere, for the tests."""
+    return x.dtype == torch.float32 and fused_available(x.device)
 
 
 def residual_unit(unit: "ResidualUnit", x: torch.Tensor, state: "StreamState") -> torch.Tensor:
