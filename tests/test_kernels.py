@@ -123,6 +123,58 @@ def test_engine_codes_with_fused_kernels_equal_the_module_step(tts_pair):
     assert torch.equal(torch.as_tensor(got.codes), torch.as_tensor(expected.codes))
 
 
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="overlapped launches (programmatic dependent launch) need compute capability 9.0")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_overlapped_launches_in_a_cuda_graph_give_the_same_bits(monkeypatch, dtype):
+    """Each kernel launched while the previous one runs (pulling its weights into L2, then waiting
+    for the previous kernel's results) computes exactly what it computes launched after it: the
+    same hidden states and caches, bit for bit, over steps replayed from one CUDA graph."""
+    import pipeline.kernels.decode as kernels
+
+    def replayed(overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(kernels, "OVERLAP", overlap)
+        model = random_stack(256, 4, 2, 64).to(dtype)
+        x = torch.zeros(ROWS, 1, 256, device=DEVICE, dtype=dtype)
+        positions = torch.zeros(ROWS, 1, dtype=torch.long, device=DEVICE)
+        fused_decode(model, x, positions)  # compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_decode(model, x, positions)
+        generator = torch.Generator().manual_seed(6)
+        outputs = []
+        for step in range(4):
+            x.copy_(torch.randn(ROWS, 1, 256, generator=generator))
+            positions.copy_(torch.tensor([[step], [step + 3], [step + 140]]))
+            graph.replay()
+            outputs.append(out.clone())
+        return torch.stack(outputs), caches(model)
+
+    assert kernels.overlapped(torch.device(DEVICE))
+    hidden, kv = replayed(True)
+    assert torch.equal(hidden, replayed(False)[0]) and torch.equal(kv, replayed(False)[1])
+    assert hidden.abs().sum() > 0
+
+
+@pytest.mark.parametrize("rows, k, programs", [(4096, 1024, 128), (1024, 3072, 256), (6144, 1024, 96), (12288, 2048, 192), (2048, 6144, 256),
+                                                (40, 64, 1)])
+def test_the_next_weights_prefetch_covers_it_within_the_l2_budget(rows, k, programs):
+    """What a matmul kernel asks into L2 for the next one: all of the next weight where it fits in
+    L2_PREFETCH_BYTES (the 0.6B's), its first L2_PREFETCH_BYTES where not (the 1.7B's 50 MB gate/up
+    weight), in equal power-of-two shares of whole 128-byte lines over the kernel's programs (no
+    more than twice what is needed); nothing off CUDA (Triton's interpreter has no prefetch)."""
+    from pipeline.kernels.decode import L2_PREFETCH_BYTES, _prefetch, prefetch_shares
+
+    size, lines, line = prefetch_shares(rows * k, 2, programs)
+    assert line == 64 and lines & (lines - 1) == 0
+    assert size == min(rows * k, L2_PREFETCH_BYTES // 2) and (lines // 2) * programs * line < size <= lines * programs * line
+    on_cpu = torch.empty(rows, k, dtype=torch.bfloat16)
+    assert _prefetch(on_cpu, programs, on_cpu)["NEXT_LINES"] == 0 and _prefetch(None, programs, on_cpu)["NEXT_LINES"] == 0
+
+
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @torch.inference_mode()
 def test_split_k_equals_the_unsplit_kernel_and_repeats_exactly(mode):
@@ -216,6 +268,42 @@ def test_fused_sampling_draws_the_tokens_of_sample_rows():
         expected = sample_rows(logits, settings, noise)
         assert torch.equal(fused_sample(logits, settings, noise), expected)
     assert expected[2] == logits[2].argmax() and expected[5] == logits[5].argmax()  # greedy, and top-k 1
+
+
+@torch.inference_mode()
+def test_fused_sampling_cutoffs_on_ties_signed_zeros_and_a_full_vocabulary():
+    """The kernel finds its top-k and top-p cutoffs by searching the logits' bits, not by sorting:
+    on the code predictor's vocabulary (2,048) with logits rounded to a coarse grid (many ties at
+    the k-th value, +0.0 and -0.0 among them), top-k just below the vocabulary, and top-p so small
+    that only the most likely value is left, it draws what sample_rows draws."""
+    from pipeline.engine.sampling import RowSampling, exponential_noise, sample_rows
+    from pipeline.kernels import fused_sample
+
+    rows, vocab = 8, 2048
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.round(4 * torch.randn(rows, vocab, generator=generator)) / 4
+    logits[logits == 0] = torch.tensor([0.0, -0.0]).repeat(vocab)[: int((logits == 0).sum())]
+    logits[0] = -5.0  # row 0's top-50 cutoff falls among 48 zeros and 60 negative zeros: all 108 kept
+    logits[0, :2] = 0.1
+    logits[0, 2:50] = 0.0
+    logits[0, 50:110] = -0.0
+    logits = logits.to(DEVICE)
+    settings = RowSampling.zeros(rows, torch.device(DEVICE))
+    for row, values in enumerate([(True, 0.9, 50, 1.0), (True, 1.0, vocab - 1, 1.0), (True, 1.0, 0, 1e-6), (True, 0.8, 200, 0.9),
+                                  (True, 1.0, 0, 0.3), (True, 1.1, 3, 0.6), (True, 1.0, 1, 1.0), (True, 1.0, 0, 1.0)]):
+        settings.set_row(row, *values)
+    seeds = torch.arange(rows, device=DEVICE) * 104729 + 3
+    drawn = []
+    for draw in range(4):
+        noise = exponential_noise(seeds, torch.full((rows,), draw * vocab, device=DEVICE), vocab)
+        expected = sample_rows(logits, settings, noise)
+        got = fused_sample(logits, settings, noise)
+        assert torch.equal(got, expected), (draw, got, expected)
+        drawn.append(got)
+    drawn = torch.stack(drawn)
+    for row in (2, 6):  # only the most likely value is left (ties of it all kept, as the reference's value cutoff)
+        assert (logits[row, drawn[:, row]] == logits[row].max()).all()
+    assert len(set(drawn[:, 7].tolist())) > 1  # top-k off really samples
 
 
 @pytest.mark.parametrize("flags, fused", [([], False), (["--no-fused-kernels"], False)])

@@ -55,13 +55,14 @@ def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Te
     from pipeline.kernels.decode import linear
 
     rows, length, hidden = x.shape
-    last = _layers(model, x, positions).view(rows, length, hidden)[:, -1]
+    last = _layers(model, x, positions, following=head).view(rows, length, hidden)[:, -1]
     logits = torch.empty(rows, head.shape[0], dtype=torch.float32, device=x.device)
     return linear(last.contiguous(), head, logits, _WORKSPACES[model], norm=model.norm)
 
 
-def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The residual stream [rows * L, hidden] after every layer of `model` (before the final norm)."""
+def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
+    """The residual stream [rows * L, hidden] after every layer of `model` (before the final norm);
+    `following`: the weight of the matmul after the last layer (an output head)."""
     from pipeline.kernels.decode import Workspace, decoder_layer
 
     workspace = _WORKSPACES.setdefault(model, Workspace())
@@ -70,8 +71,9 @@ def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -> tor
     # The residual stream: the first layer reads x and writes it, the others update it in place (no copy of x).
     h = torch.empty_like(source)
     flat_positions = positions.reshape(-1).contiguous()
-    for layer in model.layers:
-        decoder_layer(layer, source, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace)
+    after = [layer.self_attn.qkv_proj.weight for layer in model.layers[1:]] + [following]
+    for layer, weight in zip(model.layers, after):
+        decoder_layer(layer, source, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace, following=weight)
         source = h
     return h
 
