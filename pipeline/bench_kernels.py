@@ -65,6 +65,44 @@ def serial_profile(size: str, workdir: Path) -> dict:
         kernels.OVERLAP = overlap
 
 
+def launch_ablation(size: str, workdir: Path) -> dict[str, float]:
+    """1-row fused step ms with overlapped launches and the next weights' L2 prefetch each off and on
+    (the same kernels and arithmetic: what each of the two hides)."""
+    import pipeline.kernels.decode as kernels
+
+    saved = kernels.OVERLAP, kernels.L2_PREFETCH_BYTES
+    result = {}
+    try:
+        for overlap in (False, True):
+            for prefetch in (False, True):
+                kernels.OVERLAP, kernels.L2_PREFETCH_BYTES = overlap, saved[1] if prefetch else 0
+                tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, compiled=True, fused=True)
+                result[f"overlapped launches {'on' if overlap else 'off'}, prefetch {'on' if prefetch else 'off'}"] = step_ms(tts, 1)
+                print(size, result, flush=True)
+                del tts
+                torch.cuda.empty_cache()
+    finally:
+        kernels.OVERLAP, kernels.L2_PREFETCH_BYTES = saved
+    return result
+
+
+def sampling_us() -> dict[str, float]:
+    """The fused sampling kernel alone (CUDA graph), top-k 50, temperature 0.9, top-p 1 then 0.8, per
+    vocabulary (the code predictor's 2,048, the talker's 3,072) and rows."""
+    from pipeline.engine.sampling import RowSampling, exponential_noise
+    from pipeline.kernels import fused_sample
+
+    result = {}
+    for vocab, rows, top_p in ((2048, 1, 1.0), (2048, 16, 1.0), (3072, 1, 1.0), (2048, 1, 0.8)):
+        logits = 3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).cuda()
+        settings = RowSampling.zeros(rows, torch.device("cuda"))
+        for row in range(rows):
+            settings.set_row(row, True, 0.9, 50, top_p)
+        noise = exponential_noise(torch.arange(rows, device="cuda") + 1, torch.zeros(rows, dtype=torch.long, device="cuda"), vocab)
+        result[f"vocabulary {vocab}, {rows} rows, top-p {top_p}"] = graph_us(lambda: fused_sample(logits, settings, noise))
+    return result
+
+
 def occupied_step_ms(tts: TTS) -> dict[int, float]:
     return {n: step_ms(tts, n) for n in sorted({1, 8, tts.rows}) if n <= tts.rows}
 
@@ -158,6 +196,17 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def ablation_markdown(report: dict) -> str:
+    sizes = list(report["ablation"])
+    lines = [f"### {report['gpu']} — {report['date']}", "", f"torch {report['torch']}. Command: `{report['command']}`", "",
+             "| fused step, engine of 1 row, ms per frame | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for variant in report["ablation"][sizes[0]]:
+        lines.append(f"| {variant} | " + " | ".join(f"{report['ablation'][s][variant]:.2f}" for s in sizes) + " |")
+    lines += ["", "| sampling kernel alone (CUDA graph), top-k 50 | us per launch |", "|---|---|"]
+    lines += [f"| {case} | {us:.1f} |" for case, us in report["sampling_us"].items()]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.bench_kernels")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -165,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=["unfused", "unfused eager", "fused"], choices=["unfused", "unfused eager", "fused"])
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile of each kernel first and use the fastest")
     parser.add_argument("--no-float32", dest="float32", action="store_false", help="skip the float32 identity check")
+    parser.add_argument("--ablation", action="store_true",
+                        help="only the 1-row step with overlapped launches and the L2 prefetch off and on, and the sampling kernel alone")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -172,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
+        if args.ablation:
+            report = {**report_header("pipeline.bench_kernels", argv), "sampling_us": sampling_us(), "ablation": {}}
+            for size in args.sizes:
+                report["ablation"][size] = launch_ablation(size, workdir)
+                write_report(args.out, "ablation-" + "-".join(args.sizes), report, ablation_markdown(report))
+            return 0
         report = {
             **report_header("pipeline.bench_kernels", argv),
             "sweep": sweep() if args.sweep else {},
