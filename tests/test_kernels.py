@@ -159,6 +159,52 @@ def test_overlapped_launches_in_a_cuda_graph_give_the_same_bits(monkeypatch, dty
     assert hidden.abs().sum() > 0
 
 
+HOPPER_PTX = """
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+import pipeline.kernels.decode as kernels
+from pipeline.kernels.sampling import _sample_kernel
+
+def ptx(fn, types, constants):
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
+    return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+on = sys.argv[1] == "on"
+pointers = dict.fromkeys(["x_ptr", "norm_ptr", "w_ptr", "res_ptr", "out_ptr", "next_ptr"], "*bf16")
+linear = ptx(kernels._linear_kernel, {**pointers, "partial_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "eps": "fp32", "next_size": "i32"},
+             dict(N=3072, K=1024, HAS_NORM=True, MODE=2, IEEE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, OVERLAP=on,
+                  NEXT_LINES=8 if on else 0, LINE=64))
+sample = ptx(_sample_kernel, {"logits_ptr": "*fp32", "noise_ptr": "*fp32", "do_sample_ptr": "*i1", "temperature_ptr": "*fp32",
+                              "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "out_ptr": "*i64", "V": "i32", "stride_logits": "i32",
+                              "stride_noise": "i32"}, dict(BLOCK=2048, C=8, OVERLAP=on))
+print(json.dumps({name: {word: word in text for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")}
+                  for name, text in (("linear", linear), ("sample", sample))}))
+"""
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_prefetch(on):
+    """The GPU-only parts, which Triton's interpreter never runs, compiled for sm_90 here (Triton
+    ships ptxas; in a process without TRITON_INTERPRET): a matmul kernel waits for the previous
+    kernel and releases the next (griddepcontrol) and asks L2 for the next weights
+    (prefetch.global.L2); the sampling kernel waits and releases; with both off, none of it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_PTX, "on" if on else "off"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["linear"] == dict.fromkeys(("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2"), on)
+    assert found["sample"] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
+
+
 @pytest.mark.parametrize("rows, k, programs", [(4096, 1024, 128), (1024, 3072, 256), (6144, 1024, 96), (12288, 2048, 192), (2048, 6144, 256),
                                                 (40, 64, 1)])
 def test_the_next_weights_prefetch_covers_it_within_the_l2_budget(rows, k, programs):
