@@ -10,6 +10,7 @@ of equal codes and the waveform error over one utterance.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.bench import RUNS, SIZES, random_tts, report_header, request, step_ms, write_report
+import pipeline.kernels.decode as kernels
 from pipeline.kernels.decode import Tiles
 from pipeline.tts import TTS
 
@@ -52,37 +54,40 @@ def profile_step(tts: TTS) -> dict:
     return {k: {"kernels": len(v), "ms": sum(v)} for k, v in kinds.items()}
 
 
+@contextlib.contextmanager
+def kernel_settings(**values):
+    """pipeline.kernels.decode's module settings (OVERLAP, L2_PREFETCH_BYTES) set inside the block,
+    restored after it; a step captured inside keeps them."""
+    saved = {name: getattr(kernels, name) for name in values}
+    for name, value in values.items():
+        setattr(kernels, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(kernels, name, value)
+
+
 def serial_profile(size: str, workdir: Path) -> dict:
     """`profile_step` of the fused step with overlapped launches off: on, each kernel is launched
     while the previous one runs and its measured time would include its wait for it."""
-    import pipeline.kernels.decode as kernels
-
-    overlap, kernels.OVERLAP = kernels.OVERLAP, False
-    try:
+    with kernel_settings(OVERLAP=False):
         tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, compiled=True, fused=True)
         return profile_step(tts)
-    finally:
-        kernels.OVERLAP = overlap
 
 
 def launch_ablation(size: str, workdir: Path) -> dict[str, float]:
     """1-row fused step ms with overlapped launches and the next weights' L2 prefetch each off and on
     (the same kernels and arithmetic: what each of the two hides)."""
-    import pipeline.kernels.decode as kernels
-
-    saved = kernels.OVERLAP, kernels.L2_PREFETCH_BYTES
     result = {}
-    try:
-        for overlap in (False, True):
-            for prefetch in (False, True):
-                kernels.OVERLAP, kernels.L2_PREFETCH_BYTES = overlap, saved[1] if prefetch else 0
+    for overlap in (False, True):
+        for prefetch in (False, True):
+            with kernel_settings(OVERLAP=overlap, L2_PREFETCH_BYTES=kernels.L2_PREFETCH_BYTES if prefetch else 0):
                 tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, compiled=True, fused=True)
                 result[f"overlapped launches {'on' if overlap else 'off'}, prefetch {'on' if prefetch else 'off'}"] = step_ms(tts, 1)
-                print(size, result, flush=True)
-                del tts
-                torch.cuda.empty_cache()
-    finally:
-        kernels.OVERLAP, kernels.L2_PREFETCH_BYTES = saved
+            print(size, result, flush=True)
+            del tts
+            torch.cuda.empty_cache()
     return result
 
 
@@ -295,7 +300,7 @@ def best_tiles(candidates: list[Tiles], run, output: torch.Tensor) -> tuple[Tile
     return best, timed[best], {str(t): us for t, us in timed.items()}
 
 
-def attention_sweep(kernels, attn, q, positions, out, workspace, hidden: int) -> dict:
+def attention_sweep(attn, q, positions, out, workspace, hidden: int) -> dict:
     """The talker's attention (a cache of TALKER_CACHE positions) at 200 and 1,000 positions: one
     program per head against the cache split in chunks; the variant whose slower length is the
     fastest is used for the rest of the run. (A code-predictor step, 16 positions, is one block either way.)"""
@@ -317,7 +322,6 @@ def attention_sweep(kernels, attn, q, positions, out, workspace, hidden: int) ->
 def sweep(rows: int = 1) -> dict:
     """The fastest tiles of each kernel at each layer shape of the 0.6B / 1.7B talkers and the code
     predictor, bf16, `rows` rows; applied to pipeline.kernels.decode.TUNED for the rest of the run."""
-    from pipeline.kernels import decode as kernels
     from pipeline.model import DecoderLayer, KVCache
 
     workspace = kernels.Workspace()
@@ -349,7 +353,7 @@ def sweep(rows: int = 1) -> dict:
             kernels.TUNED[key] = best
             report[str(key)] = {"best": str(best), "us": us, "all": timed}
             print(key, best, f"{us:.2f} us", flush=True)
-        report.update(attention_sweep(kernels, attn, q, positions, attended, workspace, hidden))
+        report.update(attention_sweep(attn, q, positions, attended, workspace, hidden))
     return report
 
 

@@ -489,7 +489,7 @@ def prefetch_shares(numel: int, element_size: int, programs: int) -> tuple[int, 
     """(elements asked into L2, 128-byte lines per program, elements per line): the weight's first
     L2_PREFETCH_BYTES at most, in equal power-of-two shares of lines over the programs."""
     line = 128 // element_size
-    size = min(numel, max(L2_PREFETCH_BYTES, 0) // element_size)
+    size = min(numel, L2_PREFETCH_BYTES // element_size)
     return size, triton.next_power_of_2(triton.cdiv(triton.cdiv(size, line), programs)) if size else 0, line
 
 
