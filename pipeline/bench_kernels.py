@@ -30,7 +30,8 @@ KINDS = (  # (kind, substrings of kernel names), first match wins
     ("projections (o, gate/up, down)", ("_linear_kernel",)),
     ("final norms", ("_rms_norm_kernel",)),
     ("heads and embeddings (cuBLAS, gathers)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "index", "embedding")),
-    ("sampling (fused)", ("_sample_kernel",)),
+    ("sampling (fused; the code draws also write the next input, the last token kernel commits the row state)",
+     ("_sample_kernel", "_code_kernel", "_next_token_kernel")),
     ("step glue (inductor)", ("triton_", "sort", "scan", "softmax", "reduce")),
 )
 

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from pipeline.engine.decoder import BatchDecoder  # noqa: E402
 from pipeline.kernels import fused_decode, fused_decode_logits, fused_supported  # noqa: E402
+from pipeline.kernels.sampling import _exponential_noise  # noqa: E402
 from pipeline.model import Transformer  # noqa: E402
 from pipeline.request import SpeechRequest  # noqa: E402
 from pipeline.tts import TTS  # noqa: E402
@@ -66,19 +69,23 @@ def test_fused_logits_equal_the_modules_norm_and_head(dtype):
     """The final norm and an output head of 40 codes in one kernel: float32 logits of the last
     position, rounded to the activations' dtype first as `F.linear(...).float()` rounds them (in
     bfloat16 every logit is then a bfloat16 value), for the code predictor's two-token first step
-    and a one-token step."""
+    (the last position's rows read in place, apart) and a one-token step; the normed last position
+    (the talker's next state) written on the side by the head's first column block."""
     model, fused = (m.to(dtype) for m in twins())
     head = (torch.randn(40, 64, generator=torch.Generator().manual_seed(3)) * 0.2).to(DEVICE, dtype)
     generator = torch.Generator().manual_seed(4)
     positions = torch.tensor([[0, 1], [4, 5], [9, 10]], device=DEVICE)
     for _ in range(2):
         x = torch.randn(ROWS, positions.shape[1], 64, generator=generator).to(DEVICE, dtype)
-        expected = torch.nn.functional.linear(model.decode(x, positions)[:, -1], head).float()
-        got = fused_decode_logits(fused, x, positions, head)
+        state = model.decode(x, positions)[:, -1]
+        expected = torch.nn.functional.linear(state, head).float()
+        normed = torch.full_like(state, float("nan"))
+        got = fused_decode_logits(fused, x, positions, head, normed=normed)
         assert got.dtype == torch.float32 and got.shape == (ROWS, 40)
         assert torch.equal(got, got.to(dtype).float())
         tolerance = 1e-5 if dtype == torch.float32 else 0.05
         torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(normed, state, rtol=tolerance, atol=tolerance)
         positions = positions[:, -1:] + 1
 
 
@@ -164,7 +171,7 @@ import json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import pipeline.kernels.decode as kernels
-from pipeline.kernels.sampling import _sample_kernel
+from pipeline.kernels.sampling import _code_kernel, _next_token_kernel, _sample_kernel
 
 def ptx(fn, types, constants):
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
@@ -173,15 +180,25 @@ def ptx(fn, types, constants):
     return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 on = sys.argv[1] == "on"
-pointers = dict.fromkeys(["x_ptr", "norm_ptr", "w_ptr", "res_ptr", "out_ptr", "next_ptr"], "*bf16")
-linear = ptx(kernels._linear_kernel, {**pointers, "partial_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "eps": "fp32", "next_size": "i32"},
-             dict(N=3072, K=1024, HAS_NORM=True, MODE=2, IEEE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, OVERLAP=on,
-                  NEXT_LINES=8 if on else 0, LINE=64))
+pointers = dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "res_ptr", "out_ptr", "next_ptr"], "*bf16")
+linear = ptx(kernels._linear_kernel, {**pointers, "stride_x": "i32", "partial_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "eps": "fp32",
+                                      "next_size": "i32"},
+             dict(N=3072, K=1024, HAS_NORM=True, STORE_NORMED=False, MODE=2, IEEE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
+                  OVERLAP=on, NEXT_LINES=8 if on else 0, LINE=64))
+settings = {"do_sample_ptr": "*i1", "temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seed_ptr": "*i64",
+            "frame_ptr": "*i64", "draws_per_frame": "i32", "V": "i32", "H": "i32", "logits_ptr": "*fp32"}
+code = ptx(_code_kernel, {**settings, "first_draw": "i32", "codes_ptr": "*i64", "column": "i32", "tables_ptr": "*bf16",
+                          "table_start_ptr": "*i64", "next_ptr": "*bf16", "token_ptr": "*i64", "text_ptr": "*bf16", "text_len_ptr": "*i64",
+                          "pad_ptr": "*bf16", "max_seq": "i32"}, dict(CODES=16, LAST=True, BLOCK=2048, BLOCK_H=256, C=8, OVERLAP=on))
+token = ptx(_next_token_kernel, {**settings, **dict.fromkeys(["active_ptr", "text_end_ptr", "produced_ptr", "seen_ptr", "suppressed_ptr"], "*i1"),
+                                 **dict.fromkeys(["token_ptr", "max_frame_ptr", "text_len_ptr", "pos_ptr"], "*i64"), "penalty_ptr": "*fp32",
+                                 "eos": "i32", "min_new_tokens": "i32", "normed_ptr": "*bf16", "state_ptr": "*bf16", "table_ptr": "*bf16"},
+            dict(BLOCK=4096, BLOCK_H=1024, C=8, OVERLAP=on))
 sample = ptx(_sample_kernel, {"logits_ptr": "*fp32", "noise_ptr": "*fp32", "do_sample_ptr": "*i1", "temperature_ptr": "*fp32",
                               "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "out_ptr": "*i64", "V": "i32", "stride_logits": "i32",
                               "stride_noise": "i32"}, dict(BLOCK=2048, C=8, OVERLAP=on))
 print(json.dumps({name: {word: word in text for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")}
-                  for name, text in (("linear", linear), ("sample", sample))}))
+                  for name, text in (("linear", linear), ("sample", sample), ("code", code), ("token", token))}))
 """
 
 
@@ -190,7 +207,8 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     """The GPU-only parts, which Triton's interpreter never runs, compiled for sm_90 here (Triton
     ships ptxas; in a process without TRITON_INTERPRET): a matmul kernel waits for the previous
     kernel and releases the next (griddepcontrol) and asks L2 for the next weights
-    (prefetch.global.L2); the sampling kernel waits and releases; with both off, none of it."""
+    (prefetch.global.L2); the sampling kernels (the plain one, the code predictor's draw and the
+    talker's end of frame) wait and release; with both off, none of it."""
     import json
     import os
     import subprocess
@@ -202,7 +220,8 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["linear"] == dict.fromkeys(("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2"), on)
-    assert found["sample"] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
+    for name in ("sample", "code", "token"):
+        assert found[name] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
 
 
 @pytest.mark.parametrize("rows, k, programs", [(4096, 1024, 128), (1024, 3072, 256), (6144, 1024, 96), (12288, 2048, 192), (2048, 6144, 256),
@@ -370,3 +389,58 @@ def test_a_service_asked_for_the_fused_kernels_gets_them():
 
     service = ModelService(device="cpu", tiny=True, fused=True)
     assert service.model("custom_voice").engine.decoder.fused
+
+
+@torch.inference_mode()
+def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(tiny_checkpoints):
+    """The frame with its glue inside the kernels (code draws and embeddings, the talker's input and
+    head, the logit processors, the commit of each row's state) against the same fused layers with
+    PyTorch's glue, frame by frame: the same codes, tokens and state. Row 0 samples and runs out of
+    text after one frame (it waits: no frame, its state untouched); row 1 is greedy, its text
+    ended (it goes on with tts_pad); row 2 is empty."""
+    from pipeline.engine.sampling import SamplingConfig
+    from pipeline.loading import load_model
+
+    model = load_model(tiny_checkpoints["custom_voice"], torch.device(DEVICE), torch.float32)
+    talkers = [model.talker, copy.deepcopy(model.talker)]
+    hidden = model.talker.config.hidden_size
+    generator = torch.Generator().manual_seed(8)
+    pad, prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((hidden,), (1, 5, hidden), (1, hidden)))
+    decoders = [BatchDecoder(talker, pad, ROWS, 64, use_cuda_graphs=False, fused=True, frame_kernels=kernels)
+                for talker, kernels in zip(talkers, (False, True))]
+    assert not decoders[0].frame_kernels and decoders[1].frame_kernels
+    sampled = SamplingConfig(top_k=20, top_p=0.9)
+    for decoder in decoders:
+        decoder.start(0, prompt, text, False, sampled, seed=5, max_frames=10)
+        decoder.start(1, prompt.flip(1), text, True, sampled.greedy(), seed=6, max_frames=10)
+    state = ("token", "pos", "frame", "seen", "hidden")
+    for frame in range(2):
+        (produced, codes, token), (got_produced, got_codes, got_token) = (d.step() for d in decoders)
+        assert got_produced.tolist() == produced.tolist() == [frame < 1, True, False]
+        assert torch.equal(got_codes[:2], codes[:2]) and torch.equal(got_token, token)
+        for name in state:
+            torch.testing.assert_close(getattr(decoders[1], name), getattr(decoders[0], name), rtol=1e-5, atol=1e-5, msg=name)
+        # the code predictor's next first input: the talker's state and the next token's embedding
+        assert torch.equal(decoders[1].code_predictor_input[:2, 1], talkers[1].model.codec_embedding(decoders[1].token[:2]))
+    assert decoders[1].frame[0] == 1 and decoders[1].frame[2] == 0
+
+
+@triton.jit
+def _noise_kernel(seed_ptr, start_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * V + offs, _exponential_noise(tl.load(seed_ptr + row), tl.load(start_ptr + row), offs), mask=offs < V)
+
+
+@torch.inference_mode()
+def test_the_kernels_draw_the_noise_of_exponential_noise():
+    """The sampling kernels compute their Exp(1) noise themselves, in 32-bit arithmetic: the same
+    values as exponential_noise's 64-bit tensor ops, also where a row's draw positions wrap past
+    2^32 and for seeds near 2^32 (to float32 rounding of the logarithm)."""
+    from pipeline.engine.sampling import exponential_noise, mix32
+
+    seeds = mix32(torch.tensor([0, 1, 7, 2**32 - 1])).to(DEVICE)
+    starts = torch.tensor([0, 2**32 - 100, 12345 * 32768, 2**31]).to(DEVICE)
+    got = torch.empty(4, 300, device=DEVICE)
+    _noise_kernel[(4,)](seeds, starts, got, 300, BLOCK=512)
+    torch.testing.assert_close(got, exponential_noise(seeds, starts, 300), rtol=1e-6, atol=0)

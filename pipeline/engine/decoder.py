@@ -6,7 +6,10 @@ limit, and with its next text available - and leaves every other row's state unt
 join (`start`), wait for text (`append_text`) and leave (`stop`) between frames. The step reads
 only static buffers (no `.item()`, no branch on tensor values), so on CUDA one graph captures a
 whole frame for the whole batch: the 15 code-predictor steps with their sampling, the next talker
-input, the talker step and the sampling of the next codebook-0 token.
+input, the talker step and the sampling of the next codebook-0 token. With the fused kernels on
+CUDA (`_frame_in_kernels`) the glue between them (code embeddings, the talker's input, logit
+processors, noise, the commit of each row's state) runs inside the sampling kernels: 575 kernels a
+frame for the 0.6B instead of 654.
 
 Batch invariance: every shape in the step is fixed (all `rows` rows, the whole cache), so the same
 kernels run whatever the occupancy, and a row's numbers depend only on its own inputs. Kernels
@@ -22,22 +25,26 @@ import torch.nn.functional as F
 
 from pipeline.graphs import CUDAGraphed
 from pipeline.kernels import fused_available, fused_decode, fused_decode_logits, fused_sample, fused_supported
+from pipeline.kernels.sampling import FrameText, code_step, next_token
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer
 
 MIN_NEW_TOKENS = 2  # Qwen3-TTS's reference masks EOS for the first two codebook-0 tokens (Qwen3-Omni's: none)
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompts are zero-padded to one of these lengths
-# The decode step is a chain of ~1,600 small kernels; the vocoder's convolutions fill the GPU. With
+# The decode step is a chain of ~600 small kernels; the vocoder's convolutions fill the GPU. With
 # the step's kernels first in line for free SMs, the two overlap instead of taking turns.
 GENERATION_PRIORITY = -1
 
 
 class BatchDecoder:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False,
-                 min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None):
+                 min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None, frame_kernels: bool | None = None):
         """`fused`: the transformer layers of the step in the Triton kernels of pipeline.kernels,
         and on CUDA its sampling too (default: where `fused_available` says the GPU runs them);
-        else the modules' own step, compiled if `compiled`."""
+        else the modules' own step, compiled if `compiled`. `frame_kernels`: with `fused` and dense
+        layers in both transformers, the whole frame in kernels (`_frame_in_kernels`: sampling,
+        code embeddings, the talker's input and head, the logit processors and the commit of the
+        row state inside them); default: on CUDA. Off, that glue is PyTorch's ops."""
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
@@ -64,7 +71,9 @@ class BatchDecoder:
 
         # Per-row state.
         self.active = zeros(rows, dtype=torch.bool)  # occupied and not cancelled
-        self.hidden = zeros(rows, config.hidden_size, dtype=dtype)  # talker output of the last position
+        # The code predictor's first input: the talker's output of the last position, and the embedding of codebook 0 of the frame.
+        self.code_predictor_input = zeros(rows, 2, config.hidden_size, dtype=dtype)
+        self.hidden = self.code_predictor_input[:, 0]
         self.token = zeros(rows)  # codebook 0 of the next frame
         self.pos = zeros(rows)  # next talker position
         self.frame = zeros(rows)  # frames produced so far
@@ -102,8 +111,15 @@ class BatchDecoder:
             # One kernel instead of a sort, two softmaxes, a scan and an argmax, 16 times a frame
             # (not on CPU: Triton's interpreter takes a third of a second per row).
             self.sample = fused_sample
+        self.frame_kernels = (self.fused and fused_supported(talker.model) and fused_supported(talker.code_predictor.model)
+                              and (device.type == "cuda" if frame_kernels is None else frame_kernels))
+        if self.frame_kernels:
+            self.code_tables, self.table_starts = stack_code_tables(talker)
+            self.predictor_next = zeros(rows, 1, config.hidden_size, dtype=dtype)
+            self.talker_input = zeros(rows, 1, config.hidden_size, dtype=dtype)
+            self.next_hidden = zeros(rows, config.hidden_size, dtype=dtype)
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        self.step_graph = CUDAGraphed(self._step, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
+        self.step_graph = CUDAGraphed(self._frame_in_kernels if self.frame_kernels else self._step, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
         self.buckets = sorted({min(b, max_seq) for b in PREFILL_BUCKETS})
         self.prefill_row = zeros(1)
         self.prefill_in = {b: zeros(1, b, config.hidden_size, dtype=dtype) for b in self.buckets}
@@ -182,6 +198,7 @@ class BatchDecoder:
         rows = slice(row, row + 1)
         token = self._next_token(self.talker.codec_head(hidden[None]), rows, self.frame[rows])
         self.token[row] = token[0]
+        self.code_predictor_input[row, 1] = self.talker.model.codec_embedding(token[0])
         self.active[row].fill_(True)
 
     def append_text(self, row: int, embeds: torch.Tensor, end: bool) -> None:
@@ -289,3 +306,39 @@ class BatchDecoder:
         self.frame.add_(run.long())
         self.codes.copy_(codes)
         self.produced.copy_(run)
+
+    def _frame_in_kernels(self) -> None:
+        """`_step` with its glue inside the kernels: per code-predictor step, the layers, the head and
+        one kernel that draws the codebook and writes the next step's input (after the last, the
+        talker's input: code embeddings and text); then the talker's layers, its head (final norm,
+        logits and the normed state at once) and one kernel for the next codebook-0 token and the
+        commit of every row's state. Same arithmetic as `_step`'s ops, in the kernels' order of sums."""
+        predictor = self.talker.code_predictor
+        project = predictor.small_to_mtp_projection
+        inputs = self.code_predictor_input
+        text = FrameText(self.trailing, self.text_len, self.tts_pad)
+        for head in range(self.sub_steps):
+            logits = self.predictor_logits(project(inputs), self.cp_positions[head], predictor.lm_head[head].weight)
+            last = head == self.sub_steps - 1
+            code_step(logits, self.sub_sampling, self.seed_hash, self.frame, self.draws_per_frame, self.vocab + head * self.sub_vocab, self.codes,
+                      head + 1, self.code_tables, self.table_starts, self.talker_input if last else self.predictor_next,
+                      text=text if last else None, token=self.token)
+            inputs = self.predictor_next
+        logits = fused_decode_logits(self.talker.model, self.talker_input, self.pos[:, None], self.talker.codec_head.weight, normed=self.next_hidden)
+        next_token(logits, self.talker_sampling, self, self.draws_per_frame, self.suppressed, self.eos_id, self.min_new_tokens, self.next_hidden,
+                   self.code_predictor_input, self.talker.model.codec_embedding.weight)
+
+
+def stack_code_tables(talker: Talker) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16 codebooks' embedding tables (the talker's codebook 0, the code predictor's 1..15) as
+    row blocks of one tensor, the modules' weights made views of it (no copy kept): a kernel reaches
+    any codebook's table from one pointer. Returns it and each codebook's first row [16]."""
+    modules = [talker.model.codec_embedding, *talker.code_predictor.model.codec_embedding]
+    stacked = torch.cat([m.weight.detach() for m in modules])
+    starts, start = [], 0
+    for module in modules:
+        rows = module.weight.shape[0]
+        module.weight.data = stacked[start : start + rows]
+        starts.append(start)
+        start += rows
+    return stacked, torch.tensor(starts, device=stacked.device)

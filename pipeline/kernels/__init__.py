@@ -1,6 +1,7 @@
 """Fused Triton kernels for the decode step: `fused_decode` (five kernels per transformer layer),
-`fused_decode_logits` (the same, then the final norm and an output head in one kernel) and
-`fused_sample` (the sampling chain in one kernel) are the entry points.
+`fused_decode_logits` (the same, then the final norm and an output head in one kernel, optionally
+writing the normed state too) and `fused_sample` (the sampling chain in one kernel) are the entry
+points; `pipeline.kernels.sampling` also has the frame's glue as kernels (`code_step`, `next_token`).
 
 `fused_decode` computes what `Transformer.decode` computes, for every cache row at once, reading
 the same modules' weights and writing the same KV caches, so the rest of the engine is unchanged."""
@@ -48,16 +49,18 @@ def fused_decode(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -
 
 
 @torch.inference_mode()
-def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Tensor, head: torch.Tensor,
+                        normed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(model.decode(x, positions)[:, -1], head).float()` in fused kernels: the final RMSNorm
     of the last position in the prologue of the head's matmul, float32 logits [rows, vocab] out of its
-    epilogue (one kernel for the three; the code predictor runs it 15 times a frame)."""
+    epilogue (one kernel for the three; the code predictor runs it 15 times a frame). `normed`
+    [rows, hidden]: receives `model.decode(x, positions)[:, -1]` too (the talker's next hidden state)."""
     from pipeline.kernels.decode import linear
 
     rows, length, hidden = x.shape
     last = _layers(model, x, positions, following=head).view(rows, length, hidden)[:, -1]
     logits = torch.empty(rows, head.shape[0], dtype=torch.float32, device=x.device)
-    return linear(last.contiguous(), head, logits, _WORKSPACES[model], norm=model.norm)
+    return linear(last, head, logits, _WORKSPACES[model], norm=model.norm, normed=normed)
 
 
 def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:

@@ -88,22 +88,22 @@ def _prefetch_share(next_ptr, program, size, LINES: tl.constexpr, LINE: tl.const
 
 
 @triton.jit
-def _inverse_rms(x_ptr, offs_m, m_mask, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of each row of x [M, K], in float32."""
+def _inverse_rms(x_ptr, stride_x, offs_m, m_mask, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row of x [M, K] (rows `stride_x` apart), in float32."""
     total = tl.zeros([offs_m.shape[0]], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
         total += tl.sum(x * x, axis=1)
     return tl.rsqrt(total / K + eps)
 
 
 @triton.jit
-def _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K: tl.constexpr, HAS_NORM: tl.constexpr):
+def _input_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K: tl.constexpr, HAS_NORM: tl.constexpr):
     """A [BLOCK_M, BLOCK_K] tile of x, RMS-normed as the reference's RMSNorm: normed in float32,
     rounded, times the weight, rounded."""
     k_mask = offs_k < K
-    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     if HAS_NORM:
         dt = x.dtype
         weight = tl.load(norm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -120,16 +120,19 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _project(x_ptr, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, other_rows, rows_mask, pid_k, K: tl.constexpr, HAS_NORM: tl.constexpr,
-             TWO: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, other_rows, rows_mask, pid_k, K: tl.constexpr, HAS_NORM: tl.constexpr,
+             TWO: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr, normed_ptr, store_normed):
     """RMSNorm?(x) tile @ w[rows]^T (and @ w[other_rows]^T if TWO: gate and up, a head's two halves)
-    over this program's part of K, in float32."""
+    over this program's part of K, in float32; where `store_normed`, the normed tiles go to
+    normed [M, K] too."""
     first = tl.zeros([offs_m.shape[0], rows.shape[0]], dtype=tl.float32)
     second = tl.zeros([offs_m.shape[0], rows.shape[0]], dtype=tl.float32)
     K_SPLIT: tl.constexpr = K // SPLIT_K
     for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, HAS_NORM)
+        a = _input_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, HAS_NORM)
+        if store_normed:
+            tl.store(normed_ptr + offs_m[:, None] * K + offs_k[None, :], a, mask=m_mask[:, None] & (offs_k[None, :] < K))
         w_mask = rows_mask[:, None] & (offs_k[None, :] < K)
         w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
         first += _dot(a, tl.trans(w), IEEE)
@@ -165,11 +168,14 @@ def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, arrivals, SPLIT_K: tl.
 
 
 @triton.jit
-def _linear_kernel(x_ptr, norm_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, K: tl.constexpr, eps,
-                   HAS_NORM: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, K: tl.constexpr, eps,
+                   HAS_NORM: tl.constexpr, STORE_NORMED: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    next_ptr, next_size, OVERLAP: tl.constexpr, NEXT_LINES: tl.constexpr, LINE: tl.constexpr):
     """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ w^T); program (row block, column block, K split).
+
+    x's rows are `stride_x` apart. normed (STORE_NORMED, with HAS_NORM): the normed x [M, K], written
+    by the programs of the first column block.
 
     MODE 0: plain (out may be float32 for activations in a narrower dtype: the result is rounded
     to the activations' dtype first, as `F.linear(...).float()`); 1: out = residual + result
@@ -182,9 +188,9 @@ def _linear_kernel(x_ptr, norm_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_p
     wait_for_inputs(OVERLAP)
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:
-        inv_rms = _inverse_rms(x_ptr, offs_m, m_mask, K, eps, BLOCK_K)
-    acc, up = _project(x_ptr, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, IEEE,
-                       SPLIT_K, BLOCK_K)
+        inv_rms = _inverse_rms(x_ptr, stride_x, offs_m, m_mask, K, eps, BLOCK_K)
+    acc, up = _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, IEEE,
+                       SPLIT_K, BLOCK_K, normed_ptr, STORE_NORMED & (pid_n == 0))
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + pid_n) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
     if SPLIT_K > 1:
         acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, SPLIT_K, SPLIT_K, MODE == 2)
@@ -225,10 +231,10 @@ def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     wait_for_inputs(OVERLAP)
-    inv_rms = _inverse_rms(x_ptr, offs_m, m_mask, K, eps, BLOCK_K)
+    inv_rms = _inverse_rms(x_ptr, K, offs_m, m_mask, K, eps, BLOCK_K)
     j = tl.arange(0, HALF)
-    first, second = _project(x_ptr, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF, pid_k,
-                             K, True, True, IEEE, SPLIT_K, BLOCK_K)
+    first, second = _project(x_ptr, K, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF, pid_k,
+                             K, True, True, IEEE, SPLIT_K, BLOCK_K, x_ptr, False)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + head) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
     if SPLIT_K > 1:
         first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + head, pid_k, SPLIT_K, SPLIT_K, True)
@@ -387,10 +393,10 @@ def _rms_norm_kernel(x_ptr, norm_ptr, out_ptr, K: tl.constexpr, eps, BLOCK_K: tl
     wait_for_inputs(OVERLAP)
     m = tl.program_id(0)
     offs_m = m + tl.arange(0, 1)
-    inv_rms = _inverse_rms(x_ptr, offs_m, offs_m >= 0, K, eps, BLOCK_K)
+    inv_rms = _inverse_rms(x_ptr, K, offs_m, offs_m >= 0, K, eps, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = _input_tile(x_ptr, norm_ptr, inv_rms, offs_m, offs_m >= 0, offs_k, K, True)
+        x = _input_tile(x_ptr, K, norm_ptr, inv_rms, offs_m, offs_m >= 0, offs_k, K, True)
         tl.store(out_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=offs_k[None, :] < K)
 
 
@@ -500,18 +506,22 @@ def _check_split(k: int, t: Tiles) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: Workspace, norm: torch.nn.Module | None = None, mode: int = 0,
-           residual: torch.Tensor | None = None, shape: Tiles | None = None, following: torch.Tensor | None = None) -> torch.Tensor:
-    """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ weight^T); see _linear_kernel for `mode`. `following`:
-    the weight of the next matmul, asked into L2 ahead of it."""
+           residual: torch.Tensor | None = None, shape: Tiles | None = None, following: torch.Tensor | None = None,
+           normed: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ weight^T); see _linear_kernel for `mode`. x's rows
+    may be apart (x[:, -1] of [M, L, K]). `following`: the weight of the next matmul, asked into L2
+    ahead of it. `normed` [M, K] (with `norm`): receives RMSNorm(x)."""
     m, k = x.shape
+    assert x.stride(1) == 1 and (normed is None or (norm is not None and normed.is_contiguous()))
     n = out.shape[1]
     t = shape or tiles(f"linear{mode}", n, k, x.dtype)
     _check_split(k, t)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, t.block_n), t.split_k)
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * t.block_n, x.device)
     _linear_kernel[grid](
-        x, norm.weight if norm is not None else weight, weight, residual if residual is not None else out, out, partial, locks, m, n, k,
-        norm.eps if norm is not None else 0.0, HAS_NORM=norm is not None, MODE=mode, IEEE=x.dtype == torch.float32,
+        x, x.stride(0), norm.weight if norm is not None else weight, normed if normed is not None else x, weight,
+        residual if residual is not None else out, out, partial, locks, m, n, k, norm.eps if norm is not None else 0.0,
+        HAS_NORM=norm is not None, STORE_NORMED=normed is not None, MODE=mode, IEEE=x.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages,
         **launch_options(x.device), **_prefetch(following, grid[0] * grid[1] * grid[2], weight))
     return out

@@ -1,4 +1,8 @@
-"""`sample_rows` (pipeline.engine.sampling) as one Triton kernel: one program per row holds the
+"""`sample_rows` (pipeline.engine.sampling) as one Triton kernel (`sample`), and the two kernels that
+carry the decode step's glue with it (`code_step`: a code-predictor step's draw, the code stored and
+the next input written; `next_token`: the talker's draw with the reference's logit processors and
+the commit of every row's state), each drawing its own Exp(1) noise as `exponential_noise` does
+(counter-based: no tensor of noise). In each, one program per row holds the
 row's whole vocabulary (2,048 or 3,072 logits) and does temperature, top-k, top-p and the
 exponential race in registers. In PyTorch's ops the chain is a sort, two softmaxes, a cumulative
 sum and an argmax over [rows, vocab] per sampled codebook (16 per frame).
@@ -19,7 +23,7 @@ bit, which changes a draw only where it decides the cutoff to that bit.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import triton
@@ -29,6 +33,31 @@ from pipeline.kernels.decode import launch_options, wait_for_inputs
 
 if TYPE_CHECKING:
     from pipeline.engine.sampling import RowSampling
+
+class FrameText(NamedTuple):
+    """The talker's text per row: trailing [rows, max_seq, H] (row r's text for frame f at [r, f]),
+    length [rows] (positions written), pad [H] (fed once the text is used up)."""
+
+    trailing: torch.Tensor
+    length: torch.Tensor
+    pad: torch.Tensor
+
+
+class RowState(Protocol):
+    """The per-row decode state that the end of a frame reads and advances ([rows] tensors; seen [rows, V])."""
+
+    seed_hash: torch.Tensor
+    frame: torch.Tensor
+    seen: torch.Tensor
+    penalty: torch.Tensor
+    active: torch.Tensor
+    token: torch.Tensor
+    max_frame: torch.Tensor
+    text_len: torch.Tensor
+    text_end: torch.Tensor
+    pos: torch.Tensor
+    produced: torch.Tensor
+
 
 CANDIDATES = 8  # thresholds per round of a search, the interval shrinking 8-fold (on an H100: 13 / 15 / 22 us with 8 / 16 / 32)
 
@@ -79,6 +108,46 @@ def _mass_cutoff(keys, p, lo, hi, mass, C: tl.constexpr):
 
 
 @triton.jit
+def _choose(logits, inside, noise, do_sample, temperature, top_k, top_p, V, C: tl.constexpr):
+    """One row's token from its logits [BLOCK] (-inf past V) and Exp(1) noise: see sample_rows."""
+    token = tl.argmax(logits, axis=0)
+    if do_sample:
+        scaled = logits / temperature + 0.0
+        # The padding's key is below every value's, -inf's included: never counted.
+        keys = tl.where(inside, _keys(scaled), -2147483648)
+        top = tl.max(keys, axis=0).to(tl.int64)
+        cutoff = tl.min(tl.where(inside, keys, 2147483647), axis=0).to(tl.int64)  # top-k off: every token
+        if (top_k > 0) & (top_k < V):
+            cutoff = _kth_largest(keys, cutoff, top + 1, top_k, C)
+        if top_p < 1.0:
+            p = _softmax(tl.where(keys >= cutoff, scaled, float("-inf")))
+            cutoff = _mass_cutoff(keys, p, cutoff - 1, top, 1.0 - top_p, C)
+        race = _softmax(tl.where(keys >= cutoff, scaled, float("-inf"))) / noise
+        token = tl.argmax(race, axis=0)
+    return token
+
+
+@triton.jit
+def _mix32(x):
+    """pipeline.engine.sampling.mix32 in uint32 arithmetic (products wrap modulo 2^32, as its `& M32` keeps them)."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x2C1B3C6D, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _exponential_noise(seed_hash, start, offs):
+    """pipeline.engine.sampling.exponential_noise of one row (seed_hash, start: int64 scalars) at draw positions start + offs."""
+    index = (start + offs.to(tl.int64)).to(tl.uint32)  # modulo 2^32, as its `& M32`
+    seed = seed_hash.to(tl.uint32)
+    bits = _mix32(_mix32(index ^ seed) + seed)
+    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+    return -tl.log(uniform)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, noise_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, out_ptr, V, stride_logits, stride_noise,
                    BLOCK: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr):
     wait_for_inputs(OVERLAP)
@@ -86,23 +155,99 @@ def _sample_kernel(logits_ptr, noise_ptr, do_sample_ptr, temperature_ptr, top_k_
     offs = tl.arange(0, BLOCK)
     inside = offs < V
     logits = tl.load(logits_ptr + row * stride_logits + offs, mask=inside, other=float("-inf"))
-    token = tl.argmax(logits, axis=0)
-    if tl.load(do_sample_ptr + row) != 0:
-        scaled = logits / tl.load(temperature_ptr + row) + 0.0
-        # The padding's key is below every value's, -inf's included: never counted.
-        keys = tl.where(inside, _keys(scaled), -2147483648)
-        top = tl.max(keys, axis=0).to(tl.int64)
-        cutoff = tl.min(tl.where(inside, keys, 2147483647), axis=0).to(tl.int64)  # top-k off: every token
-        top_k = tl.load(top_k_ptr + row)
-        if (top_k > 0) & (top_k < V):
-            cutoff = _kth_largest(keys, cutoff, top + 1, top_k, C)
-        top_p = tl.load(top_p_ptr + row)
-        if top_p < 1.0:
-            p = _softmax(tl.where(keys >= cutoff, scaled, float("-inf")))
-            cutoff = _mass_cutoff(keys, p, cutoff - 1, top, 1.0 - top_p, C)
-        race = _softmax(tl.where(keys >= cutoff, scaled, float("-inf"))) / tl.load(noise_ptr + row * stride_noise + offs, mask=inside, other=1.0)
-        token = tl.argmax(race, axis=0)
+    noise = tl.load(noise_ptr + row * stride_noise + offs, mask=inside, other=1.0)
+    token = _choose(logits, inside, noise, tl.load(do_sample_ptr + row) != 0, tl.load(temperature_ptr + row), tl.load(top_k_ptr + row),
+                    tl.load(top_p_ptr + row), V, C)
     tl.store(out_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _copy_row(src_ptr, dst_ptr, H, BLOCK_H: tl.constexpr):
+    for h0 in range(0, H, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < H), mask=offs < H)
+
+
+@triton.jit
+def _code_kernel(logits_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, frame_ptr, draws_per_frame, first_draw, V,
+                 codes_ptr, column, CODES: tl.constexpr, tables_ptr, table_start_ptr, next_ptr, H,
+                 token_ptr, text_ptr, text_len_ptr, pad_ptr, max_seq, LAST: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr):
+    """Codebook `column` of row program_id(0)'s frame (a code-predictor step): drawn as sample_rows
+    draws it (its noise computed here, as exponential_noise computes it), stored in codes [rows,
+    CODES], and what comes next written for the row: the code's embedding (its table: rows from
+    table_start[column]) as the next step's input [rows, H], or, after the last codebook (LAST),
+    the talker's next input: the sum of the frame's CODES code embeddings (codebook 0 from
+    `token`) plus the row's text for this frame (or tts_pad when its text is used up), as
+    `Talker.embed_codes(codes) + text`."""
+    wait_for_inputs(OVERLAP)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < V
+    logits = tl.load(logits_ptr + row * V + offs, mask=inside, other=float("-inf"))
+    frame = tl.load(frame_ptr + row)
+    noise = _exponential_noise(tl.load(seed_ptr + row), frame * draws_per_frame + first_draw, offs)
+    token = _choose(logits, inside, noise, tl.load(do_sample_ptr + row) != 0, tl.load(temperature_ptr + row), tl.load(top_k_ptr + row),
+                    tl.load(top_p_ptr + row), V, C).to(tl.int64)
+    tl.store(codes_ptr + row * CODES + column, token)
+    if LAST:
+        code0 = tl.load(token_ptr + row)
+        tl.store(codes_ptr + row * CODES, code0)
+        c = tl.arange(0, CODES)
+        codes = tl.load(codes_ptr + row * CODES + c, mask=c != column, other=0)
+        codes = tl.where(c == 0, code0, tl.where(c == column, token, codes))
+        table_rows = tl.load(table_start_ptr + c) + codes
+        text_len = tl.load(text_len_ptr + row)
+        dt = next_ptr.dtype.element_ty
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            h_mask = offs_h < H
+            embeds = tl.load(tables_ptr + table_rows[:, None] * H + offs_h[None, :], mask=h_mask[None, :], other=0.0).to(tl.float32)
+            total = tl.sum(embeds, axis=0).to(dt).to(tl.float32)
+            has_text = (offs_h * 0 + frame) < text_len
+            text = tl.load(text_ptr + (row * max_seq + tl.minimum(frame, max_seq - 1)) * H + offs_h, mask=h_mask & has_text, other=0.0)
+            text = tl.where(has_text, text.to(tl.float32), tl.load(pad_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32))
+            tl.store(next_ptr + row * H + offs_h, (total + text).to(dt), mask=h_mask)
+    else:
+        _copy_row(tables_ptr + (tl.load(table_start_ptr + column) + token) * H, next_ptr + row * H, H, BLOCK_H)
+
+
+@triton.jit
+def _next_token_kernel(logits_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, frame_ptr, draws_per_frame, V,
+                       seen_ptr, penalty_ptr, suppressed_ptr, eos, min_new_tokens, active_ptr, token_ptr, max_frame_ptr, text_len_ptr,
+                       text_end_ptr, pos_ptr, produced_ptr, normed_ptr, state_ptr, table_ptr, H,
+                       BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr):
+    """The end of row program_id(0)'s frame: its next codebook-0 token from the talker's logits
+    with the reference's processors (repetition penalty over the codes it has produced, the
+    suppressed control ids, EOS masked before min_new_tokens), drawn with its noise; then, if the
+    row ran this frame (occupied, not ended, under its frame limit, its text available), its state
+    advances: token, seen codes, position, frame count, and the code predictor's next input,
+    `state` [rows, 2, H]: the talker's normed output and the token's embedding. A row that did
+    not run keeps its state exactly. produced[row]: whether it ran."""
+    wait_for_inputs(OVERLAP)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < V
+    frame = tl.load(frame_ptr + row)
+    logits = tl.load(logits_ptr + row * V + offs, mask=inside, other=float("-inf"))
+    seen = tl.load(seen_ptr + row * V + offs, mask=inside, other=0) != 0
+    penalty = tl.load(penalty_ptr + row)
+    logits = tl.where(seen, tl.where(logits < 0, logits * penalty, logits / penalty), logits)
+    suppressed = (tl.load(suppressed_ptr + offs, mask=inside, other=0) != 0) | ((offs == eos) & (frame + 1 < min_new_tokens))
+    logits = tl.where(suppressed, float("-inf"), logits)
+    noise = _exponential_noise(tl.load(seed_ptr + row), (frame + 1) * draws_per_frame, offs)
+    token = _choose(logits, inside, noise, tl.load(do_sample_ptr + row) != 0, tl.load(temperature_ptr + row), tl.load(top_k_ptr + row),
+                    tl.load(top_p_ptr + row), V, C).to(tl.int64)
+    run = ((tl.load(active_ptr + row) != 0) & (tl.load(token_ptr + row) != eos) & (frame < tl.load(max_frame_ptr + row))
+           & ((frame < tl.load(text_len_ptr + row)) | (tl.load(text_end_ptr + row) != 0)))
+    tl.store(produced_ptr + row, run)
+    if run:
+        tl.store(token_ptr + row, token)
+        tl.store(seen_ptr + row * V + token, 1)
+        tl.store(pos_ptr + row, tl.load(pos_ptr + row) + 1)
+        tl.store(frame_ptr + row, frame + 1)
+        _copy_row(normed_ptr + row * H, state_ptr + row * 2 * H, H, BLOCK_H)
+        _copy_row(table_ptr + token * H, state_ptr + (row * 2 + 1) * H, H, BLOCK_H)
 
 
 def sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor) -> torch.Tensor:
@@ -114,3 +259,41 @@ def sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor) -
                            logits.stride(0), noise.stride(0), BLOCK=block, C=CANDIDATES, num_warps=8 if block >= 2048 else 4,
                            **launch_options(logits.device))
     return out
+
+
+def _row_block(width: int) -> int:
+    return min(1024, triton.next_power_of_2(width))
+
+
+def code_step(logits: torch.Tensor, settings: "RowSampling", seed_hash: torch.Tensor, frame: torch.Tensor, draws_per_frame: int, first_draw: int,
+              codes: torch.Tensor, column: int, tables: torch.Tensor, table_starts: torch.Tensor, next_input: torch.Tensor,
+              text: "FrameText | None" = None, token: torch.Tensor | None = None) -> None:
+    """Codebook `column` of every row's frame into codes [rows, CODES] (see _code_kernel), and the
+    row's next input [rows, H] into `next_input`: the code's embedding from `tables` (all codebooks'
+    tables stacked, codebook c's from row table_starts[c]); after the last codebook (`text` given),
+    the talker's next input: the frame's code embeddings summed plus the row's text, codebook 0
+    from `token`."""
+    rows, vocab = logits.shape
+    hidden = next_input.shape[-1]
+    last = text is not None
+    trailing, text_len, pad, max_seq = (text.trailing, text.length, text.pad, text.trailing.shape[1]) if last else (next_input, frame, next_input, 1)
+    block = triton.next_power_of_2(vocab)
+    _code_kernel[(rows,)](logits, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, seed_hash, frame, draws_per_frame,
+                          first_draw, vocab, codes, column, codes.shape[1], tables, table_starts, next_input, hidden,
+                          token if last else frame, trailing, text_len, pad, max_seq, LAST=last, BLOCK=block,
+                          BLOCK_H=min(_row_block(hidden), 4096 // codes.shape[1]) if last else _row_block(hidden), C=CANDIDATES,
+                          num_warps=8 if block >= 2048 else 4, **launch_options(logits.device))
+
+
+def next_token(logits: torch.Tensor, settings: "RowSampling", state: "RowState", draws_per_frame: int, suppressed: torch.Tensor, eos: int,
+               min_new_tokens: int, normed: torch.Tensor, code_predictor_input: torch.Tensor, table: torch.Tensor) -> None:
+    """Every row's next codebook-0 token drawn from the talker's logits [rows, V] with the reference's
+    processors, and the state of the rows that ran advanced (see _next_token_kernel)."""
+    rows, vocab = logits.shape
+    hidden = normed.shape[-1]
+    block = triton.next_power_of_2(vocab)
+    _next_token_kernel[(rows,)](logits, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, state.seed_hash, state.frame,
+                                draws_per_frame, vocab, state.seen, state.penalty, suppressed, eos, min_new_tokens, state.active, state.token,
+                                state.max_frame, state.text_len, state.text_end, state.pos, state.produced, normed, code_predictor_input, table,
+                                hidden, BLOCK=block, BLOCK_H=_row_block(hidden), C=CANDIDATES, num_warps=8 if block >= 2048 else 4,
+                                **launch_options(logits.device))
