@@ -394,7 +394,7 @@ def test_a_service_asked_for_the_fused_kernels_gets_them():
 @torch.inference_mode()
 def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(tiny_checkpoints):
     """The frame with its glue inside the kernels (code draws and embeddings, the talker's input and
-    head, the logit processors, the commit of each row's state) against the same fused layers with
+    head, the logit processors, the commit of each row's state) against the modules' step with
     PyTorch's glue, frame by frame: the same codes, tokens and state. Row 0 samples and runs out of
     text after one frame (it waits: no frame, its state untouched); row 1 is greedy, its text
     ended (it goes on with tts_pad); row 2 is empty."""
@@ -406,9 +406,9 @@ def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(tiny_checkpoints):
     hidden = model.talker.config.hidden_size
     generator = torch.Generator().manual_seed(8)
     pad, prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((hidden,), (1, 5, hidden), (1, hidden)))
-    decoders = [BatchDecoder(talker, pad, ROWS, 64, use_cuda_graphs=False, fused=True, frame_kernels=kernels)
-                for talker, kernels in zip(talkers, (False, True))]
-    assert not decoders[0].frame_kernels and decoders[1].frame_kernels
+    decoders = [BatchDecoder(talker, pad, ROWS, 64, use_cuda_graphs=False, fused=fused, frame_kernels=fused)
+                for talker, fused in zip(talkers, (False, True))]
+    assert not decoders[0].fused and decoders[1].frame_kernels
     sampled = SamplingConfig(top_k=20, top_p=0.9)
     for decoder in decoders:
         decoder.start(0, prompt, text, False, sampled, seed=5, max_frames=10)
