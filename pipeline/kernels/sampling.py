@@ -108,17 +108,20 @@ def _mass_cutoff(keys, p, lo, hi, mass, C: tl.constexpr):
 
 
 @triton.jit
-def _choose(logits, inside, noise, do_sample, temperature, top_k, top_p, V, C: tl.constexpr):
-    """One row's token from its logits [BLOCK] (-inf past V) and Exp(1) noise: see sample_rows."""
+def _choose(logits, inside, noise, row, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, V, C: tl.constexpr):
+    """Row `row`'s token from its logits [BLOCK] (-inf past V) and Exp(1) noise, with its settings
+    (RowSampling's tensors): see sample_rows."""
     token = tl.argmax(logits, axis=0)
-    if do_sample:
-        scaled = logits / temperature + 0.0
+    if tl.load(do_sample_ptr + row) != 0:
+        scaled = logits / tl.load(temperature_ptr + row) + 0.0
         # The padding's key is below every value's, -inf's included: never counted.
         keys = tl.where(inside, _keys(scaled), -2147483648)
         top = tl.max(keys, axis=0).to(tl.int64)
         cutoff = tl.min(tl.where(inside, keys, 2147483647), axis=0).to(tl.int64)  # top-k off: every token
+        top_k = tl.load(top_k_ptr + row)
         if (top_k > 0) & (top_k < V):
             cutoff = _kth_largest(keys, cutoff, top + 1, top_k, C)
+        top_p = tl.load(top_p_ptr + row)
         if top_p < 1.0:
             p = _softmax(tl.where(keys >= cutoff, scaled, float("-inf")))
             cutoff = _mass_cutoff(keys, p, cutoff - 1, top, 1.0 - top_p, C)
@@ -156,8 +159,7 @@ def _sample_kernel(logits_ptr, noise_ptr, do_sample_ptr, temperature_ptr, top_k_
     inside = offs < V
     logits = tl.load(logits_ptr + row * stride_logits + offs, mask=inside, other=float("-inf"))
     noise = tl.load(noise_ptr + row * stride_noise + offs, mask=inside, other=1.0)
-    token = _choose(logits, inside, noise, tl.load(do_sample_ptr + row) != 0, tl.load(temperature_ptr + row), tl.load(top_k_ptr + row),
-                    tl.load(top_p_ptr + row), V, C)
+    token = _choose(logits, inside, noise, row, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, V, C)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
@@ -187,8 +189,7 @@ def _code_kernel(logits_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_pt
     logits = tl.load(logits_ptr + row * V + offs, mask=inside, other=float("-inf"))
     frame = tl.load(frame_ptr + row)
     noise = _exponential_noise(tl.load(seed_ptr + row), frame * draws_per_frame + first_draw, offs)
-    token = _choose(logits, inside, noise, tl.load(do_sample_ptr + row) != 0, tl.load(temperature_ptr + row), tl.load(top_k_ptr + row),
-                    tl.load(top_p_ptr + row), V, C).to(tl.int64)
+    token = _choose(logits, inside, noise, row, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, V, C).to(tl.int64)
     tl.store(codes_ptr + row * CODES + column, token)
     if LAST:
         code0 = tl.load(token_ptr + row)
@@ -236,8 +237,7 @@ def _next_token_kernel(logits_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, to
     suppressed = (tl.load(suppressed_ptr + offs, mask=inside, other=0) != 0) | ((offs == eos) & (frame + 1 < min_new_tokens))
     logits = tl.where(suppressed, float("-inf"), logits)
     noise = _exponential_noise(tl.load(seed_ptr + row), (frame + 1) * draws_per_frame, offs)
-    token = _choose(logits, inside, noise, tl.load(do_sample_ptr + row) != 0, tl.load(temperature_ptr + row), tl.load(top_k_ptr + row),
-                    tl.load(top_p_ptr + row), V, C).to(tl.int64)
+    token = _choose(logits, inside, noise, row, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, V, C).to(tl.int64)
     run = ((tl.load(active_ptr + row) != 0) & (tl.load(token_ptr + row) != eos) & (frame < tl.load(max_frame_ptr + row))
            & ((frame < tl.load(text_len_ptr + row)) | (tl.load(text_end_ptr + row) != 0)))
     tl.store(produced_ptr + row, run)
