@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="API key of the --backend server, sent as 'Authorization: Bearer KEY' (env QWEN_TTS_BACKEND_KEY; default: none)")
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link (default: off)")
     parser.add_argument(
-        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the decode step's sampling, code embeddings and prefill, and of Omni's talker step (faster start, slower frames; the transformer layers run in fused Triton kernels either way unless --no-fused-kernels; default: compiled; always off on ZeroGPU)"
+        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the prefill and of Omni's talker step, and, with --no-fused-kernels, of the decode step's sampling and code embeddings (with the fused kernels those run inside them; faster start, slower prefill; default: compiled; always off on ZeroGPU)"
     )
     parser.add_argument(
         "--no-fused-kernels", action="store_true", help="on CUDA, run the decode step's transformer layers as PyTorch modules (compiled unless "
