@@ -121,18 +121,20 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, other_rows, rows_mask, pid_k, K: tl.constexpr, HAS_NORM: tl.constexpr,
-             TWO: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr, normed_ptr, store_normed):
+             TWO: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr, normed_ptr, STORE_NORMED: tl.constexpr,
+             first_block):
     """RMSNorm?(x) tile @ w[rows]^T (and @ w[other_rows]^T if TWO: gate and up, a head's two halves)
-    over this program's part of K, in float32; where `store_normed`, the normed tiles go to
-    normed [M, K] too."""
+    over this program's part of K, in float32; with STORE_NORMED, the programs of the first column
+    block (`first_block`) store the normed tiles into normed [M, K] too."""
     first = tl.zeros([offs_m.shape[0], rows.shape[0]], dtype=tl.float32)
     second = tl.zeros([offs_m.shape[0], rows.shape[0]], dtype=tl.float32)
     K_SPLIT: tl.constexpr = K // SPLIT_K
     for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = _input_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, HAS_NORM)
-        if store_normed:
-            tl.store(normed_ptr + offs_m[:, None] * K + offs_k[None, :], a, mask=m_mask[:, None] & (offs_k[None, :] < K))
+        if STORE_NORMED:  # a compile-time branch: no matmul without the side output pays for it
+            if first_block:
+                tl.store(normed_ptr + offs_m[:, None] * K + offs_k[None, :], a, mask=m_mask[:, None] & (offs_k[None, :] < K))
         w_mask = rows_mask[:, None] & (offs_k[None, :] < K)
         w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
         first += _dot(a, tl.trans(w), IEEE)
@@ -190,7 +192,7 @@ def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, res_ptr, out_pt
     if HAS_NORM:
         inv_rms = _inverse_rms(x_ptr, stride_x, offs_m, m_mask, K, eps, BLOCK_K)
     acc, up = _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, IEEE,
-                       SPLIT_K, BLOCK_K, normed_ptr, STORE_NORMED & (pid_n == 0))
+                       SPLIT_K, BLOCK_K, normed_ptr, STORE_NORMED, pid_n == 0)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + pid_n) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
     if SPLIT_K > 1:
         acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, SPLIT_K, SPLIT_K, MODE == 2)
@@ -234,7 +236,7 @@ def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr
     inv_rms = _inverse_rms(x_ptr, K, offs_m, m_mask, K, eps, BLOCK_K)
     j = tl.arange(0, HALF)
     first, second = _project(x_ptr, K, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF, pid_k,
-                             K, True, True, IEEE, SPLIT_K, BLOCK_K, x_ptr, False)
+                             K, True, True, IEEE, SPLIT_K, BLOCK_K, x_ptr, False, False)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + head) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
     if SPLIT_K > 1:
         first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + head, pid_k, SPLIT_K, SPLIT_K, True)

@@ -34,6 +34,7 @@ from pipeline.kernels.decode import launch_options, wait_for_inputs
 if TYPE_CHECKING:
     from pipeline.engine.sampling import RowSampling
 
+
 class FrameText(NamedTuple):
     """The talker's text per row: trailing [rows, max_seq, H] (row r's text for frame f at [r, f]),
     length [rows] (positions written), pad [H] (fed once the text is used up)."""
