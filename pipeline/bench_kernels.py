@@ -19,12 +19,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.bench import RUNS, SIZES, random_tts, report_header, request, step_ms, write_report
+from pipeline.bench import RUNS, SIZES, kernels_per_frame, random_tts, report_header, request, step_ms, write_report
+import pipeline.kernels.code_predictor as code_predictor
 import pipeline.kernels.decode as kernels
 from pipeline.kernels.decode import Tiles
 from pipeline.tts import TTS
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
+    ("code predictor (one persistent kernel: its 15 steps, sampling included)", ("_code_predictor_kernel",)),
     ("q/k/v + norms + RoPE + cache write", ("_qkv_kernel",)),
     ("attention", ("_attention_",)),
     ("projections (o, gate/up, down)", ("_linear_kernel",)),
@@ -56,39 +58,58 @@ def profile_step(tts: TTS) -> dict:
 
 
 @contextlib.contextmanager
-def kernel_settings(**values):
-    """pipeline.kernels.decode's module settings (OVERLAP, L2_PREFETCH_BYTES) set inside the block,
-    restored after it; a step captured inside keeps them."""
-    saved = {name: getattr(kernels, name) for name in values}
+def kernel_settings(module=kernels, **values):
+    """Module settings of pipeline.kernels (decode's OVERLAP, L2_PREFETCH_BYTES; code_predictor's
+    PERSISTENT) set inside the block, restored after it; a step built inside keeps them."""
+    saved = {name: getattr(module, name) for name in values}
     for name, value in values.items():
-        setattr(kernels, name, value)
+        setattr(module, name, value)
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(kernels, name, value)
+            setattr(module, name, value)
 
 
 def serial_profile(size: str, workdir: Path) -> dict:
     """`profile_step` of the fused step with overlapped launches off: on, each kernel is launched
-    while the previous one runs and its measured time would include its wait for it."""
+    while the previous one runs and its measured time would include its wait for it. Not compiled:
+    the fused step runs no torch.compile'd code."""
     with kernel_settings(OVERLAP=False):
-        tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, compiled=True, fused=True)
+        tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, fused=True)
         return profile_step(tts)
 
 
-def launch_ablation(size: str, workdir: Path) -> dict[str, float]:
-    """1-row fused step ms with overlapped launches and the next weights' L2 prefetch each off and on
-    (the same kernels and arithmetic: what each of the two hides)."""
-    result = {}
-    for overlap in (False, True):
-        for prefetch in (False, True):
-            with kernel_settings(OVERLAP=overlap, L2_PREFETCH_BYTES=kernels.L2_PREFETCH_BYTES if prefetch else 0):
-                tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, compiled=True, fused=True)
-                result[f"overlapped launches {'on' if overlap else 'off'}, prefetch {'on' if prefetch else 'off'}"] = step_ms(tts, 1)
-            print(size, result, flush=True)
-            del tts
-            torch.cuda.empty_cache()
+# (label, pipeline.kernels.decode settings, the code predictor in one persistent kernel)
+ABLATION = (
+    ("kernel per stage, overlapped launches off, prefetch off", dict(OVERLAP=False, L2_PREFETCH_BYTES=0), False),
+    ("kernel per stage, overlapped launches on, prefetch on (the default)", {}, False),
+    ("persistent code predictor (the talker's kernels as the default's)", {}, True),
+)
+
+
+def launch_ablation(size: str, workdir: Path, frames: int) -> dict:
+    """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
+    weights' L2 prefetch off and on, and with the code predictor in one persistent kernel; kernels
+    per frame; for both code-predictor paths the 16-row engine at 1 / 8 / 16 rows running; and how
+    near the two paths' bf16 codes are (one sampled utterance, seed 7). Not compiled: with the
+    fused kernels the step runs no torch.compile'd code (the prefill does)."""
+    result: dict = {"rows_1": {}, "kernels": {}, "rows_16": {}}
+    outputs = {}
+    for label, settings, persistent in ABLATION:
+        with kernel_settings(**settings), kernel_settings(code_predictor, PERSISTENT=persistent):
+            tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, fused=True)
+            result["rows_1"][label] = step_ms(tts, 1)
+            result["kernels"][label] = kernels_per_frame(tts)
+            if not settings:
+                outputs[persistent] = codes_and_audio(tts, False, frames)
+                del tts
+                tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
+                result["rows_16"]["persistent code predictor" if persistent else "kernel per stage"] = occupied_step_ms(tts)
+        print(size, label, result["rows_1"][label], result["kernels"][label], flush=True)
+        del tts
+        torch.cuda.empty_cache()
+    result["bf16_persistent_against_per_stage"] = nearness(outputs[False], outputs[True])
     return result
 
 
@@ -204,10 +225,26 @@ def markdown(report: dict) -> str:
 
 def ablation_markdown(report: dict) -> str:
     sizes = list(report["ablation"])
+    runs = report["ablation"]
     lines = [f"### {report['gpu']} — {report['date']}", "", f"torch {report['torch']}. Command: `{report['command']}`", "",
-             "| fused step, engine of 1 row, ms per frame | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for variant in report["ablation"][sizes[0]]:
-        lines.append(f"| {variant} | " + " | ".join(f"{report['ablation'][s][variant]:.2f}" for s in sizes) + " |")
+             "| fused step, engine of 1 row: ms per frame (kernels per frame) | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for label, _, _ in ABLATION:
+        lines.append(f"| {label} | " + " | ".join(f"{runs[s]['rows_1'][label]:.2f} ({runs[s]['kernels'][label]})" for s in sizes) + " |")
+    lines += ["", "| engine of 16 rows, ms per frame at 1 / 8 / 16 rows running | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for path in runs[sizes[0]]["rows_16"]:
+        lines.append(f"| {path} | " + " | ".join(" / ".join(f"{ms:.2f}" for ms in runs[s]["rows_16"][path].values()) for s in sizes) + " |")
+    lines.append("")
+    for s in sizes:
+        near = runs[s]["bf16_persistent_against_per_stage"]
+        lines.append(f"{s} bf16, sampled (seed 7), persistent code predictor against a kernel per stage: {100 * near['equal_code_share']:.1f}% "
+                     f"of codes equal, first differing frame {near['first_differing_frame']}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
+    if report.get("profile"):
+        for s, profile in report["profile"].items():
+            lines += ["", f"Where the default step's time goes ({s}, engine of 1 row, overlapped launches off: the kernels' own times):", "",
+                      "| kind | kernels | GPU ms |", "|---|---|---|"]
+            for kind, v in sorted(profile.items(), key=lambda kv: -kv[1]["ms"]):
+                lines.append(f"| {kind} | {v['kernels']} | {v['ms']:.3f} |")
+            lines.append(f"| **all kernels** | {sum(v['kernels'] for v in profile.values())} | {sum(v['ms'] for v in profile.values()):.3f} |")
     lines += ["", "| sampling kernel alone (CUDA graph), top-k 50 | us per launch |", "|---|---|"]
     lines += [f"| {case} | {us:.1f} |" for case, us in report["sampling_us"].items()]
     return "\n".join(lines) + "\n"
@@ -221,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile of each kernel first and use the fastest")
     parser.add_argument("--no-float32", dest="float32", action="store_false", help="skip the float32 identity check")
     parser.add_argument("--ablation", action="store_true",
-                        help="only the 1-row step with overlapped launches and the L2 prefetch off and on, and the sampling kernel alone")
+                        help="only the fused step with overlapped launches, the L2 prefetch and the persistent code predictor off and on, "
+                             "its profile, and the sampling kernel alone")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -230,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         if args.ablation:
-            report = {**report_header("pipeline.bench_kernels", argv), "sampling_us": sampling_us(), "ablation": {}}
+            report = {**report_header("pipeline.bench_kernels", argv), "sampling_us": sampling_us(), "ablation": {}, "profile": {}}
             for size in args.sizes:
-                report["ablation"][size] = launch_ablation(size, workdir)
+                report["ablation"][size] = launch_ablation(size, workdir, args.frames)
+                report["profile"][size] = serial_profile(size, workdir)
                 write_report(args.out, "ablation-" + "-".join(args.sizes), report, ablation_markdown(report))
             return 0
         report = {

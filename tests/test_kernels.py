@@ -167,7 +167,7 @@ def test_overlapped_launches_in_a_cuda_graph_give_the_same_bits(monkeypatch, dty
 
 
 HOPPER_PTX = """
-import json, sys
+import json, re, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import pipeline.kernels.decode as kernels
@@ -197,8 +197,22 @@ token = ptx(_next_token_kernel, {**settings, **dict.fromkeys(["active_ptr", "tex
 sample = ptx(_sample_kernel, {"logits_ptr": "*fp32", "noise_ptr": "*fp32", "do_sample_ptr": "*i1", "temperature_ptr": "*fp32",
                               "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "out_ptr": "*i64", "V": "i32", "stride_logits": "i32",
                               "stride_noise": "i32"}, dict(BLOCK=2048, C=8, OVERLAP=on))
-print(json.dumps({name: {word: word in text for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")}
-                  for name, text in (("linear", linear), ("sample", sample), ("code", code), ("token", token))}))
+from pipeline.kernels.code_predictor import _code_predictor_kernel as persistent
+types = {name: "*bf16" for name in persistent.arg_names if name.endswith("_ptr")}
+types.update(dict.fromkeys(["logits_ptr", "partial_ptr", "temperature_ptr", "top_p_ptr"], "*fp32"), do_sample_ptr="*i1",
+             **dict.fromkeys(["lock_ptr", "barrier_ptr"], "*i32"),
+             **dict.fromkeys(["pos_ptr", "top_k_ptr", "seed_ptr", "frame_ptr", "codes_ptr", "table_start_ptr", "token_ptr", "text_len_ptr"], "*i64"),
+             **dict.fromkeys(["draws_per_frame", "first_draw", "max_seq", "rows", "cache_layer", "cache_row", "cache_head", "cache_pos"], "i32"),
+             **dict.fromkeys(["eps", "head_eps", "final_eps", "scale"], "fp32"))
+code_predictor = ptx(persistent, types, dict(
+    E=2048, H=1024, I=3072, HEADS=16, KV_HEADS=8, HEAD_DIM=128, LAYERS=5, STEPS=15, V=2048, CODES=16, PROJECT=True, IEEE=False, BLOCK_M=16,
+    BLOCK_S=16, BLOCK=2048, BLOCK_E=1024, BLOCK_T=256, C=8, P_BN=16, P_BK=256, P_SPLIT=1, QKV_BK=128, QKV_SPLIT=4, O_BN=32, O_BK=128, O_SPLIT=4,
+    GU_BN=32, GU_BK=256, GU_SPLIT=1, D_BN=32, D_BK=128, D_SPLIT=8, HD_BN=16, HD_BK=256, HD_SPLIT=1, GRID_SYNC=True, OVERLAP=on))
+barrier = {"arrive": re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", code_predictor) is not None,
+           "wait": re.search(r"(ld|atom)[.][.a-z]*acquire", code_predictor) is not None}
+print(json.dumps({**{name: {word: word in text for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")}
+                     for name, text in (("linear", linear), ("sample", sample), ("code", code), ("token", token),
+                                        ("code_predictor", code_predictor))}, "barrier": barrier}))
 """
 
 
@@ -208,7 +222,8 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     ships ptxas; in a process without TRITON_INTERPRET): a matmul kernel waits for the previous
     kernel and releases the next (griddepcontrol) and asks L2 for the next weights
     (prefetch.global.L2); the sampling kernels (the plain one, the code predictor's draw and the
-    talker's end of frame) wait and release; with both off, none of it."""
+    talker's end of frame) wait and release; with both off, none of it. The persistent code
+    predictor too, and its grid barrier in either case."""
     import json
     import os
     import subprocess
@@ -222,6 +237,10 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     assert found["linear"] == dict.fromkeys(("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2"), on)
     for name in ("sample", "code", "token"):
         assert found[name] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
+    # the persistent code predictor (the 1.7B's shapes), and its grid barrier (a release add to
+    # arrive, acquiring atomics to wait), which the interpreter's one program skips
+    assert found["code_predictor"] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
+    assert found["barrier"] == {"arrive": True, "wait": True}
 
 
 @pytest.mark.parametrize("rows, k, programs", [(4096, 1024, 128), (1024, 3072, 256), (6144, 1024, 96), (12288, 2048, 192), (2048, 6144, 256),
@@ -444,3 +463,56 @@ def test_the_kernels_draw_the_noise_of_exponential_noise():
     got = torch.empty(4, 300, device=DEVICE)
     _noise_kernel[(4,)](seeds, starts, got, 300, BLOCK=512)
     torch.testing.assert_close(got, exponential_noise(seeds, starts, 300), rtol=1e-6, atol=0)
+
+
+def random_talker(checkpoint, predictor_hidden: int | None) -> "torch.nn.Module":
+    """The tiny checkpoint's talker (its code predictor narrower than the talker: an input
+    projection, as the 1.7B's), or with the code predictor as wide as the talker (the 0.6B's
+    layout); every weight random, norm weights away from 1, so a weight read from the wrong layer
+    or step shows."""
+    import json
+
+    from pipeline.model import Talker, TalkerConfig
+
+    raw = json.loads((checkpoint / "config.json").read_text())["talker_config"]
+    if predictor_hidden is not None:
+        raw["code_predictor_config"].update(hidden_size=predictor_hidden, head_dim=predictor_hidden // raw["code_predictor_config"]["num_attention_heads"])
+    torch.manual_seed(3)
+    talker = Talker(TalkerConfig.from_dict(raw)).to(DEVICE).eval()
+    for name, p in talker.named_parameters():
+        p.data.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+    return talker
+
+
+@pytest.mark.parametrize("predictor_hidden", [None, 64], ids=["projected input", "same width"])
+@torch.inference_mode()
+def test_the_code_predictor_in_one_persistent_kernel_equals_its_kernel_per_stage(tiny_checkpoints, predictor_hidden):
+    """The code predictor's frame in one persistent kernel (on a GPU: one program per SM and grid
+    barriers between the stages; in Triton's interpreter one program) against the same stages a
+    kernel each: the same codes, the same talker input, the same state after a frame, and the
+    barrier's counts back at zero for the next frame. A sampled row (top-k, top-p) and a greedy one."""
+    from pipeline.engine.sampling import SamplingConfig
+
+    talker = random_talker(tiny_checkpoints["custom_voice"], predictor_hidden)
+    talkers = [talker, copy.deepcopy(talker)]
+    hidden = talker.config.hidden_size
+    generator = torch.Generator().manual_seed(9)
+    pad, prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((hidden,), (1, 4, hidden), (1, hidden)))
+    decoders = [BatchDecoder(t, pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True, persistent=p)
+                for t, p in zip(talkers, (False, True))]
+    kernel = decoders[1].predictor_kernel
+    assert decoders[0].predictor_kernel is None and kernel is not None and kernel.project == (predictor_hidden is None)
+    assert kernel.programs == (torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 1)
+    sampled = SamplingConfig(top_k=20, top_p=0.9)
+    for decoder in decoders:
+        decoder.start(0, prompt, text, True, sampled, seed=5, max_frames=8)
+        decoder.start(1, prompt.flip(1), text, True, sampled.greedy(), seed=6, max_frames=8)
+    (_, codes, token), (_, got_codes, got_token) = (d.step() for d in decoders)
+    assert torch.equal(got_codes, codes) and torch.equal(got_token, token)
+    torch.testing.assert_close(decoders[1].talker_input, decoders[0].talker_input, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decoders[1].hidden, decoders[0].hidden, rtol=1e-5, atol=1e-5)
+    assert kernel.barrier.tolist() == [0, 0] and not kernel.locks.any()
+    # the stacked weights are the modules' own (views), not copies that a later load would leave behind
+    layer = talkers[1].code_predictor.model.layers[1]
+    assert layer.mlp.down_proj.weight.data_ptr() == kernel.weights["mlp.down_proj.weight"][1].data_ptr()
+    assert layer.self_attn.kv_cache.k.data_ptr() == kernel.keys[1].data_ptr()

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from pipeline.graphs import CUDAGraphed
 from pipeline.kernels import fused_available, fused_decode, fused_decode_logits, fused_sample, fused_supported
+import pipeline.kernels.code_predictor as code_predictor
+from pipeline.kernels.code_predictor import CodePredictorKernel
 from pipeline.kernels.sampling import FrameText, code_step, next_token
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer
@@ -38,13 +40,16 @@ GENERATION_PRIORITY = -1
 
 class BatchDecoder:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False,
-                 min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None, frame_kernels: bool | None = None):
+                 min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None, frame_kernels: bool | None = None,
+                 persistent: bool | None = None):
         """`fused`: the transformer layers of the step in the Triton kernels of pipeline.kernels,
         and on CUDA its sampling too (default: where `fused_available` says the GPU runs them);
         else the modules' own step, compiled if `compiled`. `frame_kernels`: with `fused` and dense
         layers in both transformers, the whole frame in kernels (`_frame_in_kernels`: sampling,
         code embeddings, the talker's input and head, the logit processors and the commit of the
-        row state inside them); default: on CUDA. Off, that glue is PyTorch's ops."""
+        row state inside them); default: on CUDA. Off, that glue is PyTorch's ops. `persistent`: with
+        the frame in kernels, the code predictor's 15 steps in one persistent kernel
+        (`CodePredictorKernel`) instead of ~27 kernels a step; default: `code_predictor.PERSISTENT` (on)."""
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
@@ -118,6 +123,8 @@ class BatchDecoder:
             self.predictor_next = zeros(rows, 1, config.hidden_size, dtype=dtype)
             self.talker_input = zeros(rows, 1, config.hidden_size, dtype=dtype)
             self.next_hidden = zeros(rows, config.hidden_size, dtype=dtype)
+        persistent = code_predictor.PERSISTENT if persistent is None else persistent
+        self.predictor_kernel = CodePredictorKernel(talker.code_predictor, rows) if self.frame_kernels and persistent else None
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.step_graph = CUDAGraphed(self._frame_in_kernels if self.frame_kernels else self._step, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
         self.buckets = sorted({min(b, max_seq) for b in PREFILL_BUCKETS})
@@ -313,10 +320,21 @@ class BatchDecoder:
         talker's input: code embeddings and text); then the talker's layers, its head (final norm,
         logits and the normed state at once) and one kernel for the next codebook-0 token and the
         commit of every row's state. Same arithmetic as `_step`'s ops, in the kernels' order of sums."""
+        text = FrameText(self.trailing, self.text_len, self.tts_pad)
+        if self.predictor_kernel is not None:
+            self.predictor_kernel(self.code_predictor_input, self.predictor_next, self.talker_input, self.sub_sampling, self.seed_hash, self.frame,
+                                  self.draws_per_frame, self.vocab, self.codes, self.code_tables, self.table_starts, self.token, text)
+        else:
+            self._predict_in_kernels(text)
+        logits = fused_decode_logits(self.talker.model, self.talker_input, self.pos[:, None], self.talker.codec_head.weight, normed=self.next_hidden)
+        next_token(logits, self.talker_sampling, self, self.draws_per_frame, self.suppressed, self.eos_id, self.min_new_tokens, self.next_hidden,
+                   self.code_predictor_input, self.talker.model.codec_embedding.weight)
+
+    def _predict_in_kernels(self, text: FrameText) -> None:
+        """The code predictor a kernel per stage: per step, its layers, its head and `code_step`."""
         predictor = self.talker.code_predictor
         project = predictor.small_to_mtp_projection
         inputs = self.code_predictor_input
-        text = FrameText(self.trailing, self.text_len, self.tts_pad)
         for head in range(self.sub_steps):
             logits = self.predictor_logits(project(inputs), self.cp_positions[head], predictor.lm_head[head].weight)
             last = head == self.sub_steps - 1
@@ -324,9 +342,6 @@ class BatchDecoder:
                       head + 1, self.code_tables, self.table_starts, self.talker_input if last else self.predictor_next,
                       text=text if last else None, token=self.token)
             inputs = self.predictor_next
-        logits = fused_decode_logits(self.talker.model, self.talker_input, self.pos[:, None], self.talker.codec_head.weight, normed=self.next_hidden)
-        next_token(logits, self.talker_sampling, self, self.draws_per_frame, self.suppressed, self.eos_id, self.min_new_tokens, self.next_hidden,
-                   self.code_predictor_input, self.talker.model.codec_embedding.weight)
 
 
 def stack_code_tables(talker: Talker) -> tuple[torch.Tensor, torch.Tensor]:

@@ -184,28 +184,52 @@ def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, res_ptr, out_pt
     (res_ptr may be out_ptr: the program that finishes a tile reads its residual before writing
     it); 2: w holds gate rows [0, N) then up rows [N, 2N): out = SiLU(gate) * up."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = offs_m < M, offs_n < N
     wait_for_inputs(OVERLAP)
-    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM:
-        inv_rms = _inverse_rms(x_ptr, stride_x, offs_m, m_mask, K, eps, BLOCK_K)
-    acc, up = _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, IEEE,
-                       SPLIT_K, BLOCK_K, normed_ptr, STORE_NORMED, pid_n == 0)
+    acc, up = _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N, K, eps, HAS_NORM, STORE_NORMED, MODE, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+                           SPLIT_K, pid_m, pid_n, pid_k)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + pid_n) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
-    if SPLIT_K > 1:
-        acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, SPLIT_K, SPLIT_K, MODE == 2)
-        if last:
-            _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE, x_ptr.dtype.element_ty)
-    else:
-        _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE, x_ptr.dtype.element_ty)
+    _linear_finish(acc, up, w_ptr, False, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N, MODE, BLOCK_M, BLOCK_N, SPLIT_K, pid_m, pid_n, pid_k,
+                   tl.num_programs(1), x_ptr.dtype.element_ty)
 
 
 @triton.jit
-def _linear_epilogue(acc, up, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N: tl.constexpr, MODE: tl.constexpr, dt):
+def _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N: tl.constexpr, K: tl.constexpr, eps, HAS_NORM: tl.constexpr,
+                 STORE_NORMED: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, pid_n, pid_k):
+    """Tile (pid_m, pid_n)'s sums over K split pid_k (see _linear_kernel): (acc, up), up for MODE 2."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM:
+        inv_rms = _inverse_rms(x_ptr, stride_x, offs_m, m_mask, K, eps, BLOCK_K)
+    return _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, IEEE,
+                    SPLIT_K, BLOCK_K, normed_ptr, STORE_NORMED, pid_n == 0)
+
+
+@triton.jit
+def _linear_finish(acc, up, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, MODE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, pid_n, pid_k, col_blocks, dt):
+    """The tile's split sums added (split-K: by the last of its programs) and its epilogue stored."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    if SPLIT_K > 1:
+        acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * col_blocks + pid_n, pid_k, SPLIT_K, SPLIT_K, MODE == 2)
+        if last:
+            _linear_epilogue(acc, up, bias_ptr, HAS_BIAS, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE, dt)
+    else:
+        _linear_epilogue(acc, up, bias_ptr, HAS_BIAS, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE, dt)
+
+
+@triton.jit
+def _linear_epilogue(acc, up, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N: tl.constexpr,
+                     MODE: tl.constexpr, dt):
     """`dt`: the activation dtype, to which the product is rounded as the unfused matmul rounds it
-    (stored in out's dtype, which may be wider: float32 logits)."""
+    (stored in out's dtype, which may be wider: float32 logits). HAS_BIAS: the bias [N] is added
+    before that rounding, as a Linear with a bias adds it."""
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = _round(acc, dt)
     out_offs = offs_m[:, None] * N + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -229,17 +253,35 @@ def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr
     HEAD_DIM], k and v into the cache at (row m // L, position). RoPE rotates the head's first half
     against its second, so the two halves are accumulated apart. Program (row block, head, K split)."""
     pid_m, head, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_inputs(OVERLAP)
+    first, second = _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K, eps, HEAD_DIM, IEEE, BLOCK_M, BLOCK_K, SPLIT_K, pid_m, head, pid_k)
+    _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + head) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
+    _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, lock_ptr, M, L,
+                head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM, BLOCK_M, SPLIT_K, pid_m, head, pid_k)
+
+
+@triton.jit
+def _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K: tl.constexpr, eps, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, head, pid_k):
+    """Head `head`'s two halves of RMSNorm(x) @ w^T for row block pid_m, over K split pid_k."""
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    wait_for_inputs(OVERLAP)
     inv_rms = _inverse_rms(x_ptr, K, offs_m, m_mask, K, eps, BLOCK_K)
     j = tl.arange(0, HALF)
-    first, second = _project(x_ptr, K, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF, pid_k,
-                             K, True, True, IEEE, SPLIT_K, BLOCK_K, x_ptr, False, False)
-    _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + head) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
+    return _project(x_ptr, K, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF, pid_k,
+                    K, True, True, IEEE, SPLIT_K, BLOCK_K, x_ptr, False, False)
+
+
+@triton.jit
+def _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, lock_ptr, M, L,
+                head_eps, cache_row, cache_head, cache_pos, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, head, pid_k):
+    """The head's split sums added (split-K: by the last of its programs), then its epilogue."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
     if SPLIT_K > 1:
-        first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * tl.num_programs(1) + head, pid_k, SPLIT_K, SPLIT_K, True)
+        first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * (HEADS + 2 * KV_HEADS) + head, pid_k, SPLIT_K, SPLIT_K, True)
         if last:
             _qkv_epilogue(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head,
                           L, head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM)
@@ -293,12 +335,18 @@ def _scores(k_ptr, q, offs_s, count, d, scale, HEAD_DIM: tl.constexpr):
 @triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, L, scale, cache_row, cache_head,
                       HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, OVERLAP: tl.constexpr):
-    """Program (row m, query head): softmax(q k^T * scale) v over cache positions 0..pos of row m // L.
+    wait_for_inputs(OVERLAP)
+    _attend(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, L, scale, cache_row, cache_head, tl.program_id(0), tl.program_id(1),
+            HEADS, GROUP, HEAD_DIM, BLOCK_S)
+
+
+@triton.jit
+def _attend(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, L, scale, cache_row, cache_head, m, head,
+            HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Row m's query head `head`: softmax(q k^T * scale) v over cache positions 0..pos of row m // L.
 
     Two passes, as the reference's softmax: the maximum and the sum first, then probabilities
     exp(s - max) / sum rounded to the activation dtype before they weigh the values."""
-    wait_for_inputs(OVERLAP)
-    m, head = tl.program_id(0), tl.program_id(1)
     dt = out_ptr.dtype.element_ty
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (m * HEADS + head) * HEAD_DIM + d).to(tl.float32)

@@ -176,15 +176,24 @@ def _code_kernel(logits_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_pt
                  codes_ptr, column, CODES: tl.constexpr, tables_ptr, table_start_ptr, next_ptr, H,
                  token_ptr, text_ptr, text_len_ptr, pad_ptr, max_seq, LAST: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr):
-    """Codebook `column` of row program_id(0)'s frame (a code-predictor step): drawn as sample_rows
+    wait_for_inputs(OVERLAP)
+    draw_code(tl.program_id(0), logits_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, frame_ptr, draws_per_frame, first_draw,
+              V, codes_ptr, column, CODES, tables_ptr, table_start_ptr, next_ptr, H, token_ptr, text_ptr, text_len_ptr, pad_ptr, max_seq, LAST,
+              BLOCK, BLOCK_H, C)
+
+
+@triton.jit
+def draw_code(row, logits_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, frame_ptr, draws_per_frame, first_draw, V,
+              codes_ptr, column, CODES: tl.constexpr, tables_ptr, table_start_ptr, next_ptr, H,
+              token_ptr, text_ptr, text_len_ptr, pad_ptr, max_seq, LAST: tl.constexpr,
+              BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, C: tl.constexpr):
+    """Codebook `column` of row `row`'s frame (a code-predictor step): drawn as sample_rows
     draws it (its noise computed here, as exponential_noise computes it), stored in codes [rows,
     CODES], and what comes next written for the row: the code's embedding (its table: rows from
     table_start[column]) as the next step's input [rows, H], or, after the last codebook (LAST),
     the talker's next input: the sum of the frame's CODES code embeddings (codebook 0 from
     `token`) plus the row's text for this frame (or tts_pad when its text is used up), as
     `Talker.embed_codes(codes) + text`."""
-    wait_for_inputs(OVERLAP)
-    row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     inside = offs < V
     logits = tl.load(logits_ptr + row * V + offs, mask=inside, other=float("-inf"))
