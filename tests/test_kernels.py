@@ -475,8 +475,9 @@ def random_talker(checkpoint, predictor_hidden: int | None) -> "torch.nn.Module"
     from pipeline.model import Talker, TalkerConfig
 
     raw = json.loads((checkpoint / "config.json").read_text())["talker_config"]
+    predictor = raw["code_predictor_config"]
     if predictor_hidden is not None:
-        raw["code_predictor_config"].update(hidden_size=predictor_hidden, head_dim=predictor_hidden // raw["code_predictor_config"]["num_attention_heads"])
+        predictor.update(hidden_size=predictor_hidden, head_dim=predictor_hidden // predictor["num_attention_heads"])
     torch.manual_seed(3)
     talker = Talker(TalkerConfig.from_dict(raw)).to(DEVICE).eval()
     for name, p in talker.named_parameters():

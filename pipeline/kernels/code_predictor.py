@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeline.kernels.decode import (ATTENTION_BLOCK, BLOCK_M, _attend, _check_split, _linear_finish, _linear_sums, _qkv_finish, _qkv_sums, launch_options, tiles,
-                                     wait_for_inputs)
+from pipeline.kernels.decode import (ATTENTION_BLOCK, BLOCK_M, _attend, _check_split, _linear_finish, _linear_sums, _qkv_finish, _qkv_sums,
+                                     launch_options, tiles, wait_for_inputs)
 from pipeline.kernels.sampling import CANDIDATES, FrameText, _row_block, draw_code
 
 if TYPE_CHECKING:
@@ -166,8 +166,8 @@ def _code_predictor_kernel(
             target += programs
             _grid_barrier(barrier_ptr, target, GRID_SYNC)
         # the final norm and the step's head over each row's last token: float32 logits [rows, V]
-        _linear_stage(h_ptr + (L - 1) * H, L * H, final_norm_ptr, head_w_ptr + step * V * H, head_w_ptr, logits_ptr, logits_ptr, partial_ptr, lock_ptr,
-                      rows, V, H, final_eps, True, False, 0, IEEE, BLOCK_M, HD_BN, HD_BK, HD_SPLIT, program, programs)
+        _linear_stage(h_ptr + (L - 1) * H, L * H, final_norm_ptr, head_w_ptr + step * V * H, head_w_ptr, logits_ptr, logits_ptr, partial_ptr,
+                      lock_ptr, rows, V, H, final_eps, True, False, 0, IEEE, BLOCK_M, HD_BN, HD_BK, HD_SPLIT, program, programs)
         target += programs
         _grid_barrier(barrier_ptr, target, GRID_SYNC)
         for row in range(program, rows, programs):
