@@ -25,8 +25,7 @@ import torch.nn.functional as F
 
 from pipeline.graphs import CUDAGraphed
 from pipeline.kernels import fused_available, fused_decode, fused_decode_logits, fused_sample, fused_supported
-import pipeline.kernels.code_predictor as code_predictor
-from pipeline.kernels.code_predictor import CodePredictorKernel
+from pipeline.kernels import code_predictor
 from pipeline.kernels.sampling import FrameText, code_step, next_token
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer
@@ -49,7 +48,8 @@ class BatchDecoder:
         code embeddings, the talker's input and head, the logit processors and the commit of the
         row state inside them); default: on CUDA. Off, that glue is PyTorch's ops. `persistent`: with
         the frame in kernels, the code predictor's 15 steps in one persistent kernel
-        (`CodePredictorKernel`) instead of ~27 kernels a step; default: `code_predictor.PERSISTENT` (on)."""
+        (`CodePredictorKernel`) instead of ~27 kernels a step; default: `code_predictor.PERSISTENT` (off:
+        slower on an H100, see docs/BENCHMARKS.md)."""
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
@@ -124,7 +124,7 @@ class BatchDecoder:
             self.talker_input = zeros(rows, 1, config.hidden_size, dtype=dtype)
             self.next_hidden = zeros(rows, config.hidden_size, dtype=dtype)
         persistent = code_predictor.PERSISTENT if persistent is None else persistent
-        self.predictor_kernel = CodePredictorKernel(talker.code_predictor, rows) if self.frame_kernels and persistent else None
+        self.predictor_kernel = code_predictor.CodePredictorKernel(talker.code_predictor, rows) if self.frame_kernels and persistent else None
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.step_graph = CUDAGraphed(self._frame_in_kernels if self.frame_kernels else self._step, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
         self.buckets = sorted({min(b, max_seq) for b in PREFILL_BUCKETS})
@@ -319,7 +319,8 @@ class BatchDecoder:
         one kernel that draws the codebook and writes the next step's input (after the last, the
         talker's input: code embeddings and text); then the talker's layers, its head (final norm,
         logits and the normed state at once) and one kernel for the next codebook-0 token and the
-        commit of every row's state. Same arithmetic as `_step`'s ops, in the kernels' order of sums."""
+        commit of every row's state. Same arithmetic as `_step`'s ops, in the kernels' order of sums.
+        With `predictor_kernel`, the code predictor's steps are one persistent kernel instead."""
         text = FrameText(self.trailing, self.text_len, self.tts_pad)
         if self.predictor_kernel is not None:
             self.predictor_kernel(self.code_predictor_input, self.predictor_next, self.talker_input, self.sub_sampling, self.seed_hash, self.frame,
