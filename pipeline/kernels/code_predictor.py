@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeline.kernels.decode import (ATTENTION_BLOCK, BLOCK_M, _attend, _check_split, _linear_finish, _linear_sums, _qkv_finish, _qkv_sums,
-                                     launch_options, tiles, wait_for_inputs)
+from pipeline.kernels.decode import (ATTENTION_BLOCK, BLOCK_M, Workspace, _attend, _check_split, _linear_finish, _linear_sums, _qkv_finish,
+                                     _qkv_sums, launch_options, tiles, wait_for_inputs)
 from pipeline.kernels.sampling import CANDIDATES, FrameText, _row_block, draw_code
 
 if TYPE_CHECKING:
@@ -262,10 +262,10 @@ class CodePredictorKernel:
         columns = dict(P=s["H"], O=s["H"], GU=s["I"], D=s["H"], HD=s["V"])
         blocks = {name: row_blocks * triton.cdiv(n, stage[name].block_n) for name, n in columns.items()}
         blocks["QKV"] = row_blocks * (s["HEADS"] + 2 * s["KV_HEADS"])
-        floats = max(blocks[name] * stage[name].split_k * 2 * BLOCK_M * (s["HEAD_DIM"] // 2 if name == "QKV" else stage[name].block_n)
-                     for name in stage)
-        self.partial = torch.empty(floats, dtype=torch.float32, device=self.heads.device)
-        self.locks = torch.zeros(max(blocks.values()), dtype=torch.int32, device=self.heads.device)
+        workspace = Workspace()  # room for the largest stage's split-K partials and counters
+        for name, t in stage.items():
+            workspace.get(blocks[name], t.split_k, BLOCK_M * (s["HEAD_DIM"] // 2 if name == "QKV" else t.block_n), self.heads.device)
+        self.partial, self.locks = workspace.partial, workspace.locks
         launch = {}
         for name, t in stage.items():
             launch.update({f"{name}_BN": t.block_n, f"{name}_BK": t.block_k, f"{name}_SPLIT": t.split_k})
