@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -80,15 +81,18 @@ def serial_profile(size: str, workdir: Path) -> dict:
         return profile_step(tts)
 
 
+BEFORE_SWEEP = "kernel per stage, the tiles before this run's sweep"
 # (label, pipeline.kernels.decode settings, the code predictor in one persistent kernel)
 ABLATION = (
     ("kernel per stage, overlapped launches off, prefetch off", dict(OVERLAP=False, L2_PREFETCH_BYTES=0), False),
+    ("kernel per stage, no weight tile loaded before the wait (preload off)",
+     dict(TUNED={key: dataclasses.replace(t, preload=False) for key, t in kernels.TUNED.items()}), False),
     ("kernel per stage, overlapped launches on, prefetch on (the default)", {}, False),
     ("persistent code predictor (the talker's kernels as the default's)", {}, True),
 )
 
 
-def launch_ablation(size: str, workdir: Path, frames: int) -> dict:
+def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) -> dict:
     """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
     weights' L2 prefetch off and on, and with the code predictor in one persistent kernel; kernels
     per frame; for both code-predictor paths the 16-row engine at 1 / 8 / 16 rows running; and how
@@ -96,7 +100,7 @@ def launch_ablation(size: str, workdir: Path, frames: int) -> dict:
     fused kernels the step runs no torch.compile'd code (the prefill does)."""
     result: dict = {"rows_1": {}, "kernels": {}, "rows_16": {}}
     outputs = {}
-    for label, settings, persistent in ABLATION:
+    for label, settings, persistent in variants:
         with kernel_settings(**settings), kernel_settings(code_predictor, PERSISTENT=persistent):
             tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, fused=True)
             result["rows_1"][label] = step_ms(tts, 1)
@@ -223,12 +227,24 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def sweep_markdown(swept: dict) -> list[str]:
+    """The sweep's matmul winners against the tiles the run started with, us per launch from HBM."""
+    rows = [(key, r) for key, r in swept.items() if isinstance(r, dict)]
+    if not rows:
+        return []
+    lines = ["", "| kernel (kind, N, K): us per launch, weights from HBM | tile before the sweep | us | the sweep's best tile | us |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {key} | {r['previous']} | {r['previous_us']:.2f} | {r['best']} | {r['us']:.2f} |" for key, r in rows]
+    return lines + [""]
+
+
 def ablation_markdown(report: dict) -> str:
     sizes = list(report["ablation"])
     runs = report["ablation"]
     lines = [f"### {report['gpu']} — {report['date']}", "", f"torch {report['torch']}. Command: `{report['command']}`", "",
+             *sweep_markdown(report.get("sweep", {})),
              "| fused step, engine of 1 row: ms per frame (kernels per frame) | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for label, _, _ in ABLATION:
+    for label in runs[sizes[0]]["rows_1"]:
         lines.append(f"| {label} | " + " | ".join(f"{runs[s]['rows_1'][label]:.2f} ({runs[s]['kernels'][label]})" for s in sizes) + " |")
     lines += ["", "| engine of 16 rows, ms per frame at 1 / 8 / 16 rows running | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
     for path in runs[sizes[0]]["rows_16"]:
@@ -267,16 +283,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
+        before_sweep = dict(kernels.TUNED)
+        swept = sweep(args.sizes) if args.sweep else {}
         if args.ablation:
-            report = {**report_header("pipeline.bench_kernels", argv), "sampling_us": sampling_us(), "ablation": {}, "profile": {}}
+            report = {**report_header("pipeline.bench_kernels", argv), "sweep": swept, "sampling_us": sampling_us(), "ablation": {}, "profile": {}}
+            variants = ABLATION
+            if args.sweep:  # the step with the tiles it started with, against the sweep's
+                variants = ((BEFORE_SWEEP, dict(TUNED=before_sweep), False), *ABLATION)
             for size in args.sizes:
-                report["ablation"][size] = launch_ablation(size, workdir, args.frames)
+                report["ablation"][size] = launch_ablation(size, workdir, args.frames, variants)
                 report["profile"][size] = serial_profile(size, workdir)
                 write_report(args.out, "ablation-" + "-".join(args.sizes), report, ablation_markdown(report))
             return 0
         report = {
             **report_header("pipeline.bench_kernels", argv),
-            "sweep": sweep() if args.sweep else {},
+            "sweep": swept,
             "float32": float32_identity(workdir, 60) if args.float32 else {},
             "sizes": {},
         }
@@ -289,16 +310,32 @@ def main(argv: list[str] | None = None) -> int:
 # ---- tile sweep ---------------------------------------------------------------------------------
 
 TALKER_CACHE = 2048  # positions of the talker's cache (pipeline.tts.DEFAULT_MAX_SEQ)
-# The last sweep's unsplit winners (16 or 32 columns x 256, 4 warps, 3 stages; 128 x 8 warps for
-# q/k/v) and their neighbours, then every split-K tile: ~30 compiles per shape.
-LINEAR_CANDIDATES = ([Tiles(16, 256), Tiles(32, 256), Tiles(16, 512), Tiles(16, 256, 8), Tiles(32, 128)]
-                     + [Tiles(n, k, 4, 3, split) for n in (16, 32) for k in (128, 256) for split in (2, 4, 8)])
-QKV_CANDIDATES = ([Tiles(16, 128, 8), Tiles(16, 256), Tiles(16, 64, 4)]
-                  + [Tiles(16, k, w, 3, split) for k in (64, 128) for w in (4, 8) for split in (2, 4, 8)])
+# A sweep times each kernel over copies of its weight that together are this many bytes at least:
+# more than an H100's or H200's 50 MB of L2, so that every launch reads its weight from HBM as in
+# the decode step (whose weights, 0.1-1 GB a frame, never stay in L2). The sweeps before the fifth
+# session of 2026-11-25 replayed one weight that stayed in L2: their times were L2's.
+COLD_BYTES = 128 << 20
+
+
+def sweep_candidates(kind: str, k: int) -> list[Tiles]:
+    """Tiles timed for a matmul kernel of reduction depth k: columns per program (the q/k/v kernel's
+    are a head's), depth per iteration, warps, K splits, each loading its first weight tile before
+    or after the wait for the previous kernel; the ones that split K into uneven parts left out."""
+    if kind == "qkv":
+        shapes = [(16, block_k, warps, split) for block_k in (128, 256) for warps in (4, 8) for split in (2, 4, 8)]
+    else:
+        shapes = [(block_n, block_k, 4, split) for block_n in (16, 32) for block_k in (128, 256) for split in (1, 2, 4, 8)]
+    return [Tiles(n, block_k, warps, 3, split, preload) for n, block_k, warps, split in shapes for preload in (False, True)
+            if k % (split * block_k) == 0]
 
 
 def graph_us(fn, launches: int = 20) -> float:
     """Microseconds per call of `fn` replayed `launches` times in one CUDA graph (as in the decode step)."""
+    return graph_replay_us(lambda: [fn() for _ in range(launches)]) / launches
+
+
+def graph_replay_us(fn) -> float:
+    """Median microseconds of one replay of `fn`'s launches captured in a CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -306,8 +343,7 @@ def graph_us(fn, launches: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
+        fn()
     times = []
     for _ in range(RUNS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -315,13 +351,14 @@ def graph_us(fn, launches: int = 20) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / launches)
+        times.append(start.elapsed_time(end) * 1000.0)
     return statistics.median(times)
 
 
-def best_tiles(candidates: list[Tiles], run, output: torch.Tensor) -> tuple[Tiles, float, dict]:
-    """The fastest candidate whose `output` agrees with the default tile's (a wrong kernel is never
-    the fastest one kept): bf16 results may differ in the last bits (another summation order)."""
+def best_tiles(candidates: list[Tiles], run, output: torch.Tensor, launches: int) -> tuple[Tiles, float, dict]:
+    """The fastest candidate (us per launch; `run` launches the kernel `launches` times) whose
+    `output` agrees with the default tile's (a wrong kernel is never the fastest one kept): bf16
+    results may differ in the last bits (another summation order)."""
     run(Tiles())
     expected = output.float().clone()
     timed = {}
@@ -332,8 +369,8 @@ def best_tiles(candidates: list[Tiles], run, output: torch.Tensor) -> tuple[Tile
             scale = expected.abs().max().item()
             if not error <= 0.02 * scale:
                 raise ValueError(f"output differs from the default tile's by {error:.3g} (scale {scale:.3g})")
-            timed[t] = graph_us(lambda: run(t))
-        except Exception as error:  # a tile that does not fit (shared memory, registers) or splits K unevenly is skipped
+            timed[t] = graph_replay_us(lambda: run(t)) / launches
+        except Exception as error:  # a tile that does not fit (shared memory, registers) is skipped
             timed[t] = float("inf")
             print("skipped", t, type(error).__name__, error, flush=True)
     best = min(timed, key=timed.get)
@@ -359,17 +396,24 @@ def attention_sweep(attn, q, positions, out, workspace, hidden: int) -> dict:
 
 
 @torch.inference_mode()
-def sweep(rows: int = 1) -> dict:
-    """The fastest tiles of each kernel at each layer shape of the 0.6B / 1.7B talkers and the code
-    predictor, bf16, `rows` rows; applied to pipeline.kernels.decode.TUNED for the rest of the run."""
+def sweep(sizes: list[str], rows: int = 1) -> dict:
+    """The fastest tiles of each matmul kernel at each layer shape of the `sizes`' talkers and of the
+    code predictor (hidden 1,024 at every size), bf16, `rows` rows, each launch reading its weight
+    from HBM (a chain of launches over copies of the weight, COLD_BYTES in all, each asking the next
+    copy into L2 as the step asks for the next weight); applied to pipeline.kernels.decode.TUNED for
+    the rest of the run. Then the talker's attention variants."""
     from pipeline.model import DecoderLayer, KVCache
 
     workspace = kernels.Workspace()
     report = {}
-    for hidden, intermediate in ((1024, 3072), (2048, 6144)):
+    for hidden, intermediate in sorted({(1024, 3072)} | {(SIZES[s]["hidden_size"], SIZES[s]["intermediate_size"]) for s in sizes}):
+        copies = -(-COLD_BYTES // (hidden * 2048 * 2))  # the smallest weight's (o's) copies: the others' are bigger
         with torch.device("cuda"):
-            layer = DecoderLayer(hidden, intermediate, 16, 8, 128, 1e-6).to(torch.bfloat16)
-            layer.self_attn.kv_cache = KVCache(rows, 8, TALKER_CACHE, 128, torch.bfloat16, torch.device("cuda"))
+            layers = [DecoderLayer(hidden, intermediate, 16, 8, 128, 1e-6).to(torch.bfloat16) for _ in range(copies)]
+            for layer in layers:
+                layer.self_attn.kv_cache = KVCache(rows, 8, TALKER_CACHE, 128, torch.bfloat16, torch.device("cuda"))
+                for p in layer.parameters():
+                    p.data.normal_(0.0, 0.02)
             h = torch.randn(rows, hidden, dtype=torch.bfloat16)
             positions = torch.full((rows,), 200)
             cos, sin = torch.randn(TALKER_CACHE, 128, dtype=torch.bfloat16), torch.randn(TALKER_CACHE, 128, dtype=torch.bfloat16)
@@ -377,23 +421,35 @@ def sweep(rows: int = 1) -> dict:
             attended = torch.randn(rows, 2048, dtype=torch.bfloat16)
             gated = torch.randn(rows, intermediate, dtype=torch.bfloat16)
             out = torch.empty(rows, hidden, dtype=torch.bfloat16)
-            for p in layer.parameters():
-                p.data.normal_(0.0, 0.02)
-        attn, mlp = layer.self_attn, layer.mlp
+
+        def chain(launch, weight):
+            """`launch(layer, t, following)` over the copies, each asking for the next copy's weight."""
+            return lambda t: [launch(layer, t, weight(layers[(i + 1) % copies])) for i, layer in enumerate(layers)]
+
         shapes = {
-            ("qkv", 4096, hidden): (QKV_CANDIDATES, q, lambda t: kernels.qkv_rope(layer, h, positions, 1, cos, sin, q, workspace, t)),
-            ("linear1", hidden, 2048): (LINEAR_CANDIDATES, out, lambda t: kernels.linear(attended, attn.o_proj.weight, out, workspace, mode=1, residual=h, shape=t)),
-            ("linear2", intermediate, hidden): (LINEAR_CANDIDATES, gated, lambda t: kernels.linear(h, mlp.gate_up_proj.weight, gated, workspace,
-                                                                                                  norm=layer.post_attention_layernorm, mode=2, shape=t)),
-            ("linear1", hidden, intermediate): (LINEAR_CANDIDATES, out, lambda t: kernels.linear(gated, mlp.down_proj.weight, out, workspace, mode=1, residual=h,
-                                                                                                shape=t)),
+            ("qkv", 4096, hidden): (q, chain(lambda layer, t, f: kernels.qkv_rope(layer, h, positions, 1, cos, sin, q, workspace, t, following=f),
+                                              lambda layer: layer.self_attn.qkv_proj.weight)),
+            ("linear1", hidden, 2048): (out, chain(lambda layer, t, f: kernels.linear(attended, layer.self_attn.o_proj.weight, out, workspace, mode=1,
+                                                                                      residual=h, shape=t, following=f),
+                                                   lambda layer: layer.self_attn.o_proj.weight)),
+            ("linear2", intermediate, hidden): (gated, chain(lambda layer, t, f: kernels.linear(h, layer.mlp.gate_up_proj.weight, gated, workspace,
+                                                                                                norm=layer.post_attention_layernorm, mode=2, shape=t,
+                                                                                                following=f),
+                                                             lambda layer: layer.mlp.gate_up_proj.weight)),
+            ("linear1", hidden, intermediate): (out, chain(lambda layer, t, f: kernels.linear(gated, layer.mlp.down_proj.weight, out, workspace,
+                                                                                              mode=1, residual=h, shape=t, following=f),
+                                                           lambda layer: layer.mlp.down_proj.weight)),
         }
-        for key, (candidates, output, run) in shapes.items():
-            best, us, timed = best_tiles(candidates, run, output)
+        for key, (output, run) in shapes.items():
+            previous = kernels.tiles(*key, torch.bfloat16)
+            candidates = list(dict.fromkeys([previous, *sweep_candidates(key[0], key[2])]))
+            best, us, timed = best_tiles(candidates, run, output, copies)
             kernels.TUNED[key] = best
-            report[str(key)] = {"best": str(best), "us": us, "all": timed}
-            print(key, best, f"{us:.2f} us", flush=True)
-        report.update(attention_sweep(attn, q, positions, attended, workspace, hidden))
+            report[str(key)] = {"best": str(best), "us": us, "previous": str(previous), "previous_us": timed.get(str(previous)), "all": timed}
+            print(key, best, f"{us:.2f} us (previous tile {previous}: {timed.get(str(previous))})", flush=True)
+        report.update(attention_sweep(layers[0].self_attn, q, positions, attended, workspace, hidden))
+        del layers
+        torch.cuda.empty_cache()
     return report
 
 

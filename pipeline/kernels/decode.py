@@ -89,9 +89,11 @@ def _prefetch_share(next_ptr, program, size, LINES: tl.constexpr, LINE: tl.const
 
 @triton.jit
 def _inverse_rms(x_ptr, stride_x, offs_m, m_mask, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of each row of x [M, K] (rows `stride_x` apart), in float32."""
+    """1 / sqrt(mean(x^2) + eps) of each row of x [M, K] (rows `stride_x` apart), in float32.
+    Unrolled: every block's load is issued before the first sum (a loop waits for each in turn, a
+    round trip to L2 a block on the kernel's critical path); the sums are added in the same order."""
     total = tl.zeros([offs_m.shape[0]], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.static_range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
         total += tl.sum(x * x, axis=1)
@@ -120,28 +122,63 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(w_ptr, rows, rows_mask, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w[rows, k0:k0 + BLOCK_K] (zero past K and on masked rows)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=rows_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _first_weight_tiles(w_ptr, rows, other_rows, rows_mask, pid_k, K: tl.constexpr, TWO: tl.constexpr, SPLIT_K: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """The first BLOCK_K columns of this program's part of K of w[rows] (and of w[other_rows] if TWO):
+    what a PRELOAD kernel loads before it waits for the previous kernel."""
+    k0 = pid_k * (K // SPLIT_K)
+    first = _weight_tile(w_ptr, rows, rows_mask, k0, K, BLOCK_K)
+    second = first
+    if TWO:
+        second = _weight_tile(w_ptr, other_rows, rows_mask, k0, K, BLOCK_K)
+    return first, second
+
+
+@triton.jit
 def _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, other_rows, rows_mask, pid_k, K: tl.constexpr, HAS_NORM: tl.constexpr,
              TWO: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr, normed_ptr, STORE_NORMED: tl.constexpr,
-             first_block):
+             first_block, PRELOAD: tl.constexpr, w_first, w_other):
     """RMSNorm?(x) tile @ w[rows]^T (and @ w[other_rows]^T if TWO: gate and up, a head's two halves)
     over this program's part of K, in float32; with STORE_NORMED, the programs of the first column
-    block (`first_block`) store the normed tiles into normed [M, K] too."""
+    block (`first_block`) store the normed tiles into normed [M, K] too. PRELOAD: the part's first
+    weight tiles are given (`_first_weight_tiles`, w_first and w_other), already loaded; the sums
+    are the same, in the same order."""
     first = tl.zeros([offs_m.shape[0], rows.shape[0]], dtype=tl.float32)
     second = tl.zeros([offs_m.shape[0], rows.shape[0]], dtype=tl.float32)
     K_SPLIT: tl.constexpr = K // SPLIT_K
-    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = _input_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, HAS_NORM)
-        if STORE_NORMED:  # a compile-time branch: no matmul without the side output pays for it
-            if first_block:
-                tl.store(normed_ptr + offs_m[:, None] * K + offs_k[None, :], a, mask=m_mask[:, None] & (offs_k[None, :] < K))
-        w_mask = rows_mask[:, None] & (offs_k[None, :] < K)
-        w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        first += _dot(a, tl.trans(w), IEEE)
+    start = pid_k * K_SPLIT
+    if PRELOAD:
+        a = _normed_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, start, K, HAS_NORM, BLOCK_K, normed_ptr, STORE_NORMED, first_block)
+        first += _dot(a, tl.trans(w_first), IEEE)
         if TWO:
-            w = tl.load(w_ptr + other_rows[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-            second += _dot(a, tl.trans(w), IEEE)
+            second += _dot(a, tl.trans(w_other), IEEE)
+        start += BLOCK_K
+    for k0 in range(start, (pid_k + 1) * K_SPLIT, BLOCK_K):
+        a = _normed_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, k0, K, HAS_NORM, BLOCK_K, normed_ptr, STORE_NORMED, first_block)
+        first += _dot(a, tl.trans(_weight_tile(w_ptr, rows, rows_mask, k0, K, BLOCK_K)), IEEE)
+        if TWO:
+            second += _dot(a, tl.trans(_weight_tile(w_ptr, other_rows, rows_mask, k0, K, BLOCK_K)), IEEE)
     return first, second
+
+
+@triton.jit
+def _normed_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, k0, K: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr,
+                 normed_ptr, STORE_NORMED: tl.constexpr, first_block):
+    """x[:, k0:k0 + BLOCK_K], RMS-normed if HAS_NORM; with STORE_NORMED also stored into normed
+    by the programs of the first column block."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a = _input_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K, HAS_NORM)
+    if STORE_NORMED:  # a compile-time branch: no matmul without the side output pays for it
+        if first_block:
+            tl.store(normed_ptr + offs_m[:, None] * K + offs_k[None, :], a, mask=m_mask[:, None] & (offs_k[None, :] < K))
+    return a
 
 
 @triton.jit
@@ -172,7 +209,7 @@ def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, arrivals, SPLIT_K: tl.
 @triton.jit
 def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, K: tl.constexpr, eps,
                    HAS_NORM: tl.constexpr, STORE_NORMED: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRELOAD: tl.constexpr,
                    next_ptr, next_size, OVERLAP: tl.constexpr, NEXT_LINES: tl.constexpr, LINE: tl.constexpr):
     """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ w^T); program (row block, column block, K split).
 
@@ -182,11 +219,19 @@ def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, res_ptr, out_pt
     MODE 0: plain (out may be float32 for activations in a narrower dtype: the result is rounded
     to the activations' dtype first, as `F.linear(...).float()`); 1: out = residual + result
     (res_ptr may be out_ptr: the program that finishes a tile reads its residual before writing
-    it); 2: w holds gate rows [0, N) then up rows [N, 2N): out = SiLU(gate) * up."""
+    it); 2: w holds gate rows [0, N) then up rows [N, 2N): out = SiLU(gate) * up.
+
+    PRELOAD: the program's first weight tiles are loaded before it waits for the previous kernel
+    (weights depend on nothing computed): with overlapped launches they stream in while that kernel
+    ends."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    w_first, w_other = w_ptr, w_ptr
+    if PRELOAD:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_first, w_other = _first_weight_tiles(w_ptr, offs_n, N + offs_n, offs_n < N, pid_k, K, MODE == 2, SPLIT_K, BLOCK_K)
     wait_for_inputs(OVERLAP)
     acc, up = _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N, K, eps, HAS_NORM, STORE_NORMED, MODE, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-                           SPLIT_K, pid_m, pid_n, pid_k)
+                           SPLIT_K, pid_m, pid_n, pid_k, PRELOAD, w_first, w_other)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + pid_n) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
     _linear_finish(acc, up, w_ptr, False, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N, MODE, BLOCK_M, BLOCK_N, SPLIT_K, pid_m, pid_n, pid_k,
                    tl.num_programs(1), x_ptr.dtype.element_ty)
@@ -195,7 +240,7 @@ def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, res_ptr, out_pt
 @triton.jit
 def _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N: tl.constexpr, K: tl.constexpr, eps, HAS_NORM: tl.constexpr,
                  STORE_NORMED: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, pid_n, pid_k):
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, pid_n, pid_k, PRELOAD: tl.constexpr, w_first, w_other):
     """Tile (pid_m, pid_n)'s sums over K split pid_k (see _linear_kernel): (acc, up), up for MODE 2."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,37 +249,44 @@ def _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N: tl.constexp
     if HAS_NORM:
         inv_rms = _inverse_rms(x_ptr, stride_x, offs_m, m_mask, K, eps, BLOCK_K)
     return _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, IEEE,
-                    SPLIT_K, BLOCK_K, normed_ptr, STORE_NORMED, pid_n == 0)
+                    SPLIT_K, BLOCK_K, normed_ptr, STORE_NORMED, pid_n == 0, PRELOAD, w_first, w_other)
 
 
 @triton.jit
 def _linear_finish(acc, up, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, MODE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, pid_n, pid_k, col_blocks, dt):
-    """The tile's split sums added (split-K: by the last of its programs) and its epilogue stored."""
+    """The tile's split sums added (split-K: by the last of its programs) and its epilogue stored.
+    The epilogue's bias and residual are loaded first: their round trip to L2 overlaps the split
+    sums' (every program of a split tile loads them, the last one uses them)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    residual = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if MODE == 1:
+        residual = tl.load(res_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
     if SPLIT_K > 1:
         acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * col_blocks + pid_n, pid_k, SPLIT_K, SPLIT_K, MODE == 2)
         if last:
-            _linear_epilogue(acc, up, bias_ptr, HAS_BIAS, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE, dt)
+            _linear_epilogue(acc, up, bias, HAS_BIAS, residual, out_ptr, out_offs, out_mask, MODE, dt)
     else:
-        _linear_epilogue(acc, up, bias_ptr, HAS_BIAS, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N, MODE, dt)
+        _linear_epilogue(acc, up, bias, HAS_BIAS, residual, out_ptr, out_offs, out_mask, MODE, dt)
 
 
 @triton.jit
-def _linear_epilogue(acc, up, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, N: tl.constexpr,
-                     MODE: tl.constexpr, dt):
+def _linear_epilogue(acc, up, bias, HAS_BIAS: tl.constexpr, residual, out_ptr, out_offs, out_mask, MODE: tl.constexpr, dt):
     """`dt`: the activation dtype, to which the product is rounded as the unfused matmul rounds it
-    (stored in out's dtype, which may be wider: float32 logits). HAS_BIAS: the bias [N] is added
-    before that rounding, as a Linear with a bias adds it."""
+    (stored in out's dtype, which may be wider: float32 logits). HAS_BIAS: the bias [BLOCK_N] is
+    added before that rounding, as a Linear with a bias adds it; MODE 1: the residual after it."""
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc = acc + bias[None, :]
     out = _round(acc, dt)
-    out_offs = offs_m[:, None] * N + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
     if MODE == 1:
-        out = out + tl.load(res_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+        out = out + residual
     if MODE == 2:
         # silu in float32 on the rounded gate, rounded, times the rounded up projection: as F.silu(gate) * up
         out = _round(out * tl.sigmoid(out), dt) * _round(up, dt)
@@ -245,72 +297,97 @@ def _linear_epilogue(acc, up, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr
 def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                 partial_ptr, lock_ptr, M, K: tl.constexpr, L, eps, head_eps, cache_row, cache_head, cache_pos,
                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRELOAD: tl.constexpr,
                 next_ptr, next_size, OVERLAP: tl.constexpr, NEXT_LINES: tl.constexpr, LINE: tl.constexpr):
     """One head's projection of RMSNorm(x): program (block of rows, head), heads ordered q, k, v.
 
     q and k heads: RMSNorm over the head, then RoPE at each row's position; q goes to q [M, HEADS,
     HEAD_DIM], k and v into the cache at (row m // L, position). RoPE rotates the head's first half
-    against its second, so the two halves are accumulated apart. Program (row block, head, K split)."""
+    against its second, so the two halves are accumulated apart. Program (row block, head, K split).
+    PRELOAD: as _linear_kernel's."""
     pid_m, head, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    w_first, w_other = w_ptr, w_ptr
+    if PRELOAD:
+        rows, other_rows, rows_mask = _head_rows(head, HEAD_DIM)
+        w_first, w_other = _first_weight_tiles(w_ptr, rows, other_rows, rows_mask, pid_k, K, True, SPLIT_K, BLOCK_K)
     wait_for_inputs(OVERLAP)
-    first, second = _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K, eps, HEAD_DIM, IEEE, BLOCK_M, BLOCK_K, SPLIT_K, pid_m, head, pid_k)
+    first, second = _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K, eps, HEAD_DIM, IEEE, BLOCK_M, BLOCK_K, SPLIT_K, pid_m, head, pid_k, PRELOAD, w_first,
+                              w_other)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + head) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
     _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, lock_ptr, M, L,
                 head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM, BLOCK_M, SPLIT_K, pid_m, head, pid_k)
 
 
 @triton.jit
-def _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K: tl.constexpr, eps, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, head, pid_k):
-    """Head `head`'s two halves of RMSNorm(x) @ w^T for row block pid_m, over K split pid_k."""
+def _head_rows(head, HEAD_DIM: tl.constexpr):
+    """The weight rows of head `head`'s first and second halves, and their (all-true) mask."""
     HALF: tl.constexpr = HEAD_DIM // 2
+    j = tl.arange(0, HALF)
+    return head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF
+
+
+@triton.jit
+def _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K: tl.constexpr, eps, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, head, pid_k, PRELOAD: tl.constexpr, w_first, w_other):
+    """Head `head`'s two halves of RMSNorm(x) @ w^T for row block pid_m, over K split pid_k."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     inv_rms = _inverse_rms(x_ptr, K, offs_m, m_mask, K, eps, BLOCK_K)
-    j = tl.arange(0, HALF)
-    return _project(x_ptr, K, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF, pid_k,
-                    K, True, True, IEEE, SPLIT_K, BLOCK_K, x_ptr, False, False)
+    rows, other_rows, rows_mask = _head_rows(head, HEAD_DIM)
+    return _project(x_ptr, K, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, other_rows, rows_mask, pid_k, K, True, True, IEEE, SPLIT_K, BLOCK_K,
+                    x_ptr, False, False, PRELOAD, w_first, w_other)
 
 
 @triton.jit
 def _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, lock_ptr, M, L,
                 head_eps, cache_row, cache_head, cache_pos, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, head, pid_k):
-    """The head's split sums added (split-K: by the last of its programs), then its epilogue."""
+    """The head's split sums added (split-K: by the last of its programs), then its epilogue. The
+    epilogue's positions, norm weights and RoPE rows are loaded first: their round trips to L2
+    overlap the split sums' (every program of a split head loads them, the last one uses them)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
+    tables = _qkv_tables(q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, offs_m, m_mask, head, HEADS, HEAD_DIM)
     if SPLIT_K > 1:
         first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * (HEADS + 2 * KV_HEADS) + head, pid_k, SPLIT_K, SPLIT_K, True)
         if last:
-            _qkv_epilogue(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head,
-                          L, head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM)
+            _qkv_epilogue(first, second, tables, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head, L, head_eps, cache_row, cache_head,
+                          cache_pos, HEADS, KV_HEADS, HEAD_DIM)
     else:
-        _qkv_epilogue(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head,
-                      L, head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM)
+        _qkv_epilogue(first, second, tables, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head, L, head_eps, cache_row, cache_head, cache_pos,
+                      HEADS, KV_HEADS, HEAD_DIM)
 
 
 @triton.jit
-def _qkv_epilogue(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head,
-                  L, head_eps, cache_row, cache_head, cache_pos, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _qkv_tables(q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, offs_m, m_mask, head, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """What a head's epilogue reads besides its sums: the rows' positions, the head's norm weight
+    halves (q's or k's) and the RoPE rows at the positions (cos, sin: each half), in their dtypes."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    j = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0)
+    norm_ptr = tl.where(head < HEADS, q_norm_ptr, k_norm_ptr)
+    table = pos[:, None] * HEAD_DIM + j[None, :]
+    return (pos, tl.load(norm_ptr + j), tl.load(norm_ptr + HALF + j), tl.load(cos_ptr + table, mask=m_mask[:, None], other=0.0),
+            tl.load(cos_ptr + table + HALF, mask=m_mask[:, None], other=0.0), tl.load(sin_ptr + table, mask=m_mask[:, None], other=0.0),
+            tl.load(sin_ptr + table + HALF, mask=m_mask[:, None], other=0.0))
+
+
+@triton.jit
+def _qkv_epilogue(first, second, tables, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head, L, head_eps, cache_row, cache_head, cache_pos,
+                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     dt = q_ptr.dtype.element_ty
     j = tl.arange(0, HALF)
     first, second = _round(first, dt), _round(second, dt)
-    pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0)
+    pos, g1, g2, cos1, cos2, sin1, sin2 = tables
+    g1, g2 = g1.to(tl.float32), g2.to(tl.float32)
+    cos1, cos2, sin1, sin2 = cos1.to(tl.float32), cos2.to(tl.float32), sin1.to(tl.float32), sin2.to(tl.float32)
     row = offs_m // L
     if head < HEADS + KV_HEADS:
         is_q = head < HEADS
-        g1 = tl.where(is_q, tl.load(q_norm_ptr + j).to(tl.float32), tl.load(k_norm_ptr + j).to(tl.float32))
-        g2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + j).to(tl.float32), tl.load(k_norm_ptr + HALF + j).to(tl.float32))
         inv = tl.rsqrt((tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)) / HEAD_DIM + head_eps)
         first = _round(g1[None, :] * _round(first * inv[:, None], dt), dt)
         second = _round(g2[None, :] * _round(second * inv[:, None], dt), dt)
-        table = pos[:, None] * HEAD_DIM + j[None, :]
-        cos1 = tl.load(cos_ptr + table, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        cos2 = tl.load(cos_ptr + table + HALF, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        sin1 = tl.load(sin_ptr + table, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + table + HALF, mask=m_mask[:, None], other=0.0).to(tl.float32)
         # x * cos + rotate_half(x) * sin, each product rounded, as the unfused RoPE in the activation dtype
         rotated1 = _round(first * cos1, dt) + _round(-second * sin1, dt)
         rotated2 = _round(second * cos2, dt) + _round(first * sin2, dt)
@@ -354,14 +431,15 @@ def _attend(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, L, scale, cache_r
     base = (m // L) * cache_row + (head // GROUP) * cache_head
     k_ptr, v_ptr = k_cache_ptr + base, v_cache_ptr + base
     if count <= BLOCK_S:
-        # One block (every code-predictor step, short talker contexts): keys and values read once.
+        # One block (every code-predictor step, short talker contexts): keys and values read once,
+        # the values' load issued with the keys' (not after the softmax: one round trip, not two).
         # The same arithmetic as the loop below makes for one block, so results do not depend on the path.
         offs_s = tl.arange(0, BLOCK_S)
+        values = tl.load(v_ptr + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0)
         s = _scores(k_ptr, q, offs_s, count, d, scale, HEAD_DIM)
         top = tl.max(s, axis=0)
         p = _round(tl.exp(s - top) / tl.sum(tl.exp(s - top), axis=0), dt)
-        values = tl.load(v_ptr + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
-        acc = tl.sum(p[:, None] * values, axis=0)
+        acc = tl.sum(p[:, None] * values.to(tl.float32), axis=0)
     else:
         top = tl.full([], float("-inf"), tl.float32)
         total = tl.zeros([], tl.float32)
@@ -455,13 +533,15 @@ def _rms_norm_kernel(x_ptr, norm_ptr, out_ptr, K: tl.constexpr, eps, BLOCK_K: tl
 @dataclass(frozen=True)
 class Tiles:
     """Launch shape of a matmul kernel: columns and reduction depth per program, warps, pipeline
-    stages, and programs that share a tile's reduction (split-K: more programs for narrow weights)."""
+    stages, programs that share a tile's reduction (split-K: more programs for narrow weights), and
+    whether a program loads its first weight tile before waiting for the previous kernel (preload)."""
 
     block_n: int = 16
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    preload: bool = False
 
 
 class Workspace:
@@ -493,16 +573,19 @@ class Workspace:
 # Measured on an H200 (`python -m pipeline.bench_kernels --sweep`, 2026-11-23), bf16, one row, per
 # (kernel, N, K); 16 x 256 tiles, 4 warps, 3 stages elsewhere. Split-K wins wherever a weight has
 # few column blocks (q/k/v: 32 heads; o and down: 1,024-2,048 columns). The choice depends on the
-# weight's shape only, never on the batch.
+# weight's shape only, never on the batch. (Those sweeps replayed one weight, which stayed in L2;
+# the sweep now reads every launch's weight from HBM, as the step does, and its winners were no
+# faster in the step: docs/BENCHMARKS.md, fifth session.) Every tile preloads its first weight
+# tile: on an H100, 1-row step 0.3% (0.6B) and 1.2% (1.7B) faster than without.
 TUNED: dict[tuple[str, int, int], Tiles] = {
-    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, split_k=4),  # 6.3 us against 8.6 unsplit
-    ("qkv", 4096, 2048): Tiles(block_k=128, num_warps=8, split_k=4),  # 10.6 us
-    ("linear1", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o-proj, 0.6B: 4.3 us
-    ("linear1", 1024, 3072): Tiles(block_n=32, block_k=128, split_k=8),  # down, 0.6B: 5.1 us
-    ("linear2", 3072, 1024): Tiles(block_n=32),  # gate/up, 0.6B: 6.8 us
-    ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o-proj, 1.7B: 5.1 us
-    ("linear1", 2048, 6144): Tiles(block_n=32, split_k=4),  # down, 1.7B: 8.0 us
-    ("linear2", 6144, 2048): Tiles(block_n=32),  # gate/up, 1.7B: 16.5 us
+    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, split_k=4, preload=True),  # 6.3 us against 8.6 unsplit
+    ("qkv", 4096, 2048): Tiles(block_k=128, num_warps=8, split_k=4, preload=True),  # 10.6 us
+    ("linear1", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4, preload=True),  # o-proj, 0.6B: 4.3 us
+    ("linear1", 1024, 3072): Tiles(block_n=32, block_k=128, split_k=8, preload=True),  # down, 0.6B: 5.1 us
+    ("linear2", 3072, 1024): Tiles(block_n=32, preload=True),  # gate/up, 0.6B: 6.8 us
+    ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4, preload=True),  # o-proj, 1.7B: 5.1 us
+    ("linear1", 2048, 6144): Tiles(block_n=32, split_k=4, preload=True),  # down, 1.7B: 8.0 us
+    ("linear2", 6144, 2048): Tiles(block_n=32, preload=True),  # gate/up, 1.7B: 16.5 us
 }
 
 
@@ -572,8 +655,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: 
         x, x.stride(0), norm.weight if norm is not None else weight, normed if normed is not None else x, weight,
         residual if residual is not None else out, out, partial, locks, m, n, k, norm.eps if norm is not None else 0.0,
         HAS_NORM=norm is not None, STORE_NORMED=normed is not None, MODE=mode, IEEE=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages,
-        **launch_options(x.device), **_prefetch(following, grid[0] * grid[1] * grid[2], weight))
+        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, PRELOAD=t.preload, num_warps=t.num_warps,
+        num_stages=t.num_stages, **launch_options(x.device), **_prefetch(following, grid[0] * grid[1] * grid[2], weight))
     return out
 
 
@@ -592,7 +675,7 @@ def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, l
         h, layer.input_layernorm.weight, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions,
         q, cache.k, cache.v, partial, locks, m, hidden, length, layer.input_layernorm.eps, attn.q_norm.eps, *cache.k.stride()[:3],
         HEADS=attn.heads, KV_HEADS=attn.kv_heads, HEAD_DIM=attn.head_dim, IEEE=h.dtype == torch.float32, BLOCK_M=BLOCK_M,
-        BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(h.device),
+        BLOCK_K=t.block_k, SPLIT_K=t.split_k, PRELOAD=t.preload, num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(h.device),
         **_prefetch(following, grid[0] * grid[1] * grid[2], attn.qkv_proj.weight))
 
 
