@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -85,8 +84,6 @@ BEFORE_SWEEP = "kernel per stage, the tiles before this run's sweep"
 # (label, pipeline.kernels.decode settings, the code predictor in one persistent kernel)
 ABLATION = (
     ("kernel per stage, overlapped launches off, prefetch off", dict(OVERLAP=False, L2_PREFETCH_BYTES=0), False),
-    ("kernel per stage, no weight tile loaded before the wait (preload off)",
-     dict(TUNED={key: dataclasses.replace(t, preload=False) for key, t in kernels.TUNED.items()}), False),
     ("kernel per stage, overlapped launches on, prefetch on (the default)", {}, False),
     ("persistent code predictor (the talker's kernels as the default's)", {}, True),
 )
@@ -319,14 +316,12 @@ COLD_BYTES = 128 << 20
 
 def sweep_candidates(kind: str, k: int) -> list[Tiles]:
     """Tiles timed for a matmul kernel of reduction depth k: columns per program (the q/k/v kernel's
-    are a head's), depth per iteration, warps, K splits, each loading its first weight tile before
-    or after the wait for the previous kernel; the ones that split K into uneven parts left out."""
+    are a head's), depth per iteration, warps and K splits; those that split K unevenly left out."""
     if kind == "qkv":
-        shapes = [(16, block_k, warps, split) for block_k in (128, 256) for warps in (4, 8) for split in (2, 4, 8)]
+        shapes = [(16, block_k, warps, split) for block_k in (64, 128, 256) for warps in (4, 8) for split in (1, 2, 4, 8)]
     else:
-        shapes = [(block_n, block_k, 4, split) for block_n in (16, 32) for block_k in (128, 256) for split in (1, 2, 4, 8)]
-    return [Tiles(n, block_k, warps, 3, split, preload) for n, block_k, warps, split in shapes for preload in (False, True)
-            if k % (split * block_k) == 0]
+        shapes = [(block_n, block_k, 4, split) for block_n in (16, 32) for block_k in (128, 256, 512) for split in (1, 2, 4, 8)]
+    return [Tiles(n, block_k, warps, 3, split) for n, block_k, warps, split in shapes if k % (split * block_k) == 0]
 
 
 def graph_us(fn, launches: int = 20) -> float:

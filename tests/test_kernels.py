@@ -184,7 +184,7 @@ pointers = dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "res_ptr",
 linear = ptx(kernels._linear_kernel, {**pointers, "stride_x": "i32", "partial_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "eps": "fp32",
                                       "next_size": "i32"},
              dict(N=3072, K=1024, HAS_NORM=True, STORE_NORMED=False, MODE=2, IEEE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
-                  PRELOAD=on, OVERLAP=on, NEXT_LINES=8 if on else 0, LINE=64))
+                  OVERLAP=on, NEXT_LINES=8 if on else 0, LINE=64))
 settings = {"do_sample_ptr": "*i1", "temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seed_ptr": "*i64",
             "frame_ptr": "*i64", "draws_per_frame": "i32", "V": "i32", "H": "i32", "logits_ptr": "*fp32"}
 code = ptx(_code_kernel, {**settings, "first_draw": "i32", "codes_ptr": "*i64", "column": "i32", "tables_ptr": "*bf16",
@@ -212,8 +212,7 @@ barrier = {"arrive": re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", code
            "wait": re.search(r"(ld|atom)[.][.a-z]*acquire", code_predictor) is not None}
 print(json.dumps({**{name: {word: word in text for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")}
                      for name, text in (("linear", linear), ("sample", sample), ("code", code), ("token", token),
-                                        ("code_predictor", code_predictor))}, "barrier": barrier,
-                  "weights_before_wait": 0 <= linear.find("ld.global.v4") < linear.find("griddepcontrol.wait")}))
+                                        ("code_predictor", code_predictor))}, "barrier": barrier}))
 """
 
 
@@ -224,8 +223,7 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     kernel and releases the next (griddepcontrol) and asks L2 for the next weights
     (prefetch.global.L2); the sampling kernels (the plain one, the code predictor's draw and the
     talker's end of frame) wait and release; with both off, none of it. The persistent code
-    predictor too, and its grid barrier in either case; and a preloading matmul kernel's first
-    weight tiles, loaded before the wait."""
+    predictor too, and its grid barrier in either case."""
     import json
     import os
     import subprocess
@@ -243,8 +241,6 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     # arrive, acquiring atomics to wait), which the interpreter's one program skips
     assert found["code_predictor"] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
     assert found["barrier"] == {"arrive": True, "wait": True}
-    # preloading: the weights' 16-byte loads are issued before the wait for the previous kernel
-    assert found["weights_before_wait"] == on
 
 
 @pytest.mark.parametrize("rows, k, programs", [(4096, 1024, 128), (1024, 3072, 256), (6144, 1024, 96), (12288, 2048, 192), (2048, 6144, 256),
@@ -265,7 +261,7 @@ def test_the_next_weights_prefetch_covers_it_within_the_l2_budget(rows, k, progr
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @torch.inference_mode()
-def test_split_k_equals_the_unsplit_kernel_repeats_exactly_and_preloading_changes_no_bit(mode):
+def test_split_k_equals_the_unsplit_kernel_and_repeats_exactly(mode):
     """Split-K (programs sharing a tile's reduction, the last to finish adding the partials in split
     order): the same sums as one program per tile, bit-identical from one launch to the next (the
     arrival counters reset themselves)."""
@@ -280,37 +276,31 @@ def test_split_k_equals_the_unsplit_kernel_repeats_exactly_and_preloading_change
     norm = RMSNorm(k, 1e-6).to(DEVICE) if mode == 2 else None
     workspace = Workspace()
 
-    def run(split_k: int, preload: bool = False) -> torch.Tensor:
+    def run(split_k: int) -> torch.Tensor:
         out = torch.empty(5, n, device=DEVICE)
         return linear(x, weight, out, workspace, norm=norm, mode=mode, residual=residual if mode == 1 else None,
-                      shape=Tiles(block_k=16, split_k=split_k, preload=preload))
+                      shape=Tiles(block_k=16, split_k=split_k))
 
     whole, split = run(1), run(4)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
     assert torch.equal(run(4), split)
     assert not workspace.locks.any()
-    # the first weight tile loaded before the wait: the same sums in the same order, to the bit
-    assert torch.equal(run(1, preload=True), whole) and torch.equal(run(4, preload=True), split)
 
 
 @torch.inference_mode()
-def test_split_k_qkv_equals_the_unsplit_kernel_and_preloading_changes_no_bit():
+def test_split_k_qkv_equals_the_unsplit_kernel():
     from pipeline.kernels.decode import Tiles, Workspace, qkv_rope
 
     model, twin = twins()
     h = torch.randn(ROWS, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     positions = torch.tensor([0, 9, 30], device=DEVICE)
-    preloading = copy.deepcopy(twin)
     results = []
-    for stack, split_k, preload in ((model, 1, False), (twin, 4, False), (preloading, 4, True)):
+    for stack, split_k in ((model, 1), (twin, 4)):
         q = torch.empty(ROWS, 4, 16, device=DEVICE)
-        qkv_rope(stack.layers[0], h, positions, 1, stack.rope_cos, stack.rope_sin, q, Workspace(),
-                 Tiles(block_k=16, split_k=split_k, preload=preload))
+        qkv_rope(stack.layers[0], h, positions, 1, stack.rope_cos, stack.rope_sin, q, Workspace(), Tiles(block_k=16, split_k=split_k))
         results.append((q, caches(stack)))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
-    # the first weight tiles loaded before the wait: the same sums in the same order, to the bit
-    assert torch.equal(results[2][0], results[1][0]) and torch.equal(results[2][1], results[1][1])
 
 
 @torch.inference_mode()

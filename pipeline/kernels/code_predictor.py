@@ -74,7 +74,7 @@ def _linear_stage(x_ptr, stride_x, norm_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, 
         pid_n = (tile // SPLIT_K) % COLS
         pid_m = tile // (SPLIT_K * COLS)
         acc, up = _linear_sums(x_ptr, stride_x, norm_ptr, x_ptr, w_ptr, M, N, K, eps, HAS_NORM, False, MODE, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-                               SPLIT_K, pid_m, pid_n, pid_k, False, w_ptr, w_ptr)
+                               SPLIT_K, pid_m, pid_n, pid_k)
         _linear_finish(acc, up, bias_ptr, HAS_BIAS, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N, MODE, BLOCK_M, BLOCK_N, SPLIT_K, pid_m, pid_n,
                        pid_k, COLS, x_ptr.dtype.element_ty)
 
@@ -89,8 +89,7 @@ def _qkv_stage(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr,
         pid_k = tile % SPLIT_K
         head = (tile // SPLIT_K) % ALL
         pid_m = tile // (SPLIT_K * ALL)
-        first, second = _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K, eps, HEAD_DIM, IEEE, BLOCK_M, BLOCK_K, SPLIT_K, pid_m, head, pid_k, False, w_ptr,
-                                  w_ptr)
+        first, second = _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K, eps, HEAD_DIM, IEEE, BLOCK_M, BLOCK_K, SPLIT_K, pid_m, head, pid_k)
         _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, lock_ptr, M, L,
                     head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM, BLOCK_M, SPLIT_K, pid_m, head, pid_k)
 
