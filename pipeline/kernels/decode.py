@@ -30,6 +30,11 @@ kernel that streams more than BANDWIDTH_BOUND_BYTES itself: HBM is busy enough t
 And on Hopper and newer the kernels launch overlapped (programmatic dependent launch): a kernel is
 launched while the previous one ends and waits for its results on the GPU. Neither changes the
 arithmetic: results are bit-identical with or without them.
+
+Each kernel is a chain of round trips to memory (the wait for the previous kernel, the
+activations, the weights, the split-K partials), so loads that do not depend on each other leave
+together: the RMS's blocks (unrolled), an epilogue's residual, bias and RoPE rows before the split
+sums, the attention's values with its keys.
 """
 from __future__ import annotations
 
