@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.bench import RUNS, SIZES, kernels_per_frame, random_tts, report_header, request, step_ms, write_report
+import pipeline.engine.decoder as decoder_module
 import pipeline.kernels.code_predictor as code_predictor
 import pipeline.kernels.decode as kernels
 from pipeline.kernels.decode import Tiles
@@ -60,7 +61,8 @@ def profile_step(tts: TTS) -> dict:
 @contextlib.contextmanager
 def kernel_settings(module=kernels, **values):
     """Module settings of pipeline.kernels (decode's OVERLAP, L2_PREFETCH_BYTES; code_predictor's
-    PERSISTENT) set inside the block, restored after it; a step built inside keeps them."""
+    PERSISTENT) or of pipeline.engine.decoder (ROW_BLOCKS) set inside the block, restored after it;
+    a step built inside keeps them."""
     saved = {name: getattr(module, name) for name in values}
     for name, value in values.items():
         setattr(module, name, value)
@@ -81,6 +83,7 @@ def serial_profile(size: str, workdir: Path) -> dict:
 
 
 BEFORE_SWEEP = "kernel per stage, the tiles before this run's sweep"
+ROW_BLOCKS_LABEL = "kernel per stage, each frame over the block of rows holding the occupied ones (row blocks)"
 # (label, pipeline.kernels.decode settings, the code predictor in one persistent kernel)
 ABLATION = (
     ("kernel per stage, overlapped launches off, prefetch off", dict(OVERLAP=False, L2_PREFETCH_BYTES=0), False),
@@ -92,8 +95,9 @@ ABLATION = (
 def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) -> dict:
     """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
     weights' L2 prefetch off and on, and with the code predictor in one persistent kernel; kernels
-    per frame; for both code-predictor paths the 16-row engine at 1 / 8 / 16 rows running; and how
-    near the two paths' bf16 codes are (one sampled utterance, seed 7). Not compiled: with the
+    per frame; for both code-predictor paths the 16-row engine at 1 / 8 / 16 rows running, and for
+    the kernel-per-stage path with row blocks too; and how near the bf16 codes of the persistent
+    path and of the row-blocked 16-row engine are to the 1-row engine's (one sampled utterance, seed 7). Not compiled: with the
     fused kernels the step runs no torch.compile'd code (the prefill does)."""
     result: dict = {"rows_1": {}, "kernels": {}, "rows_16": {}}
     outputs = {}
@@ -107,10 +111,17 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) ->
                 del tts
                 tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
                 result["rows_16"]["persistent code predictor" if persistent else "kernel per stage"] = occupied_step_ms(tts)
+                if not persistent:
+                    del tts
+                    with kernel_settings(decoder_module, ROW_BLOCKS=True):
+                        tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
+                    result["rows_16"][ROW_BLOCKS_LABEL] = occupied_step_ms(tts)
+                    outputs["row blocks"] = codes_and_audio(tts, False, frames)
         print(size, label, result["rows_1"][label], result["kernels"][label], flush=True)
         del tts
         torch.cuda.empty_cache()
     result["bf16_persistent_against_per_stage"] = nearness(outputs[False], outputs[True])
+    result["bf16_row_blocks_against_one_row"] = nearness(outputs[False], outputs["row blocks"])
     return result
 
 
@@ -251,6 +262,9 @@ def ablation_markdown(report: dict) -> str:
         near = runs[s]["bf16_persistent_against_per_stage"]
         lines.append(f"{s} bf16, sampled (seed 7), persistent code predictor against a kernel per stage: {100 * near['equal_code_share']:.1f}% "
                      f"of codes equal, first differing frame {near['first_differing_frame']}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
+        near = runs[s]["bf16_row_blocks_against_one_row"]
+        lines.append(f"{s} bf16, sampled (seed 7), the 16-row engine with row blocks against the 1-row engine: codes "
+                     f"{'identical' if near['identical'] else 'NOT identical'}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
     if report.get("profile"):
         for s, profile in report["profile"].items():
             lines += ["", f"Where the default step's time goes ({s}, engine of 1 row, overlapped launches off: the kernels' own times):", "",

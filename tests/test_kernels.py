@@ -416,7 +416,8 @@ def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(tiny_checkpoints):
     head, the logit processors, the commit of each row's state) against the modules' step with
     PyTorch's glue, frame by frame: the same codes, tokens and state. Row 0 samples and runs out of
     text after one frame (it waits: no frame, its state untouched); row 1 is greedy, its text
-    ended (it goes on with tts_pad); row 2 is empty."""
+    ended (it goes on with tts_pad); row 2 is empty. The fused engine runs each frame over the
+    first rows that hold every occupied one (row blocks: 2 of its 3 rows, then 1 once row 1 leaves)."""
     from pipeline.engine.sampling import SamplingConfig
     from pipeline.loading import load_model
 
@@ -425,23 +426,33 @@ def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(tiny_checkpoints):
     hidden = model.talker.config.hidden_size
     generator = torch.Generator().manual_seed(8)
     pad, prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((hidden,), (1, 5, hidden), (1, hidden)))
-    decoders = [BatchDecoder(talker, pad, ROWS, 64, use_cuda_graphs=False, fused=fused, frame_kernels=fused)
+    decoders = [BatchDecoder(talker, pad, ROWS, 64, use_cuda_graphs=False, fused=fused, frame_kernels=fused, row_blocks=fused)
                 for talker, fused in zip(talkers, (False, True))]
-    assert not decoders[0].fused and decoders[1].frame_kernels
+    assert not decoders[0].fused and decoders[1].frame_kernels and decoders[1].block_sizes == [1, 2, ROWS] and decoders[0].block_sizes == [ROWS]
     sampled = SamplingConfig(top_k=20, top_p=0.9)
     for decoder in decoders:
         decoder.start(0, prompt, text, False, sampled, seed=5, max_frames=10)
         decoder.start(1, prompt.flip(1), text, True, sampled.greedy(), seed=6, max_frames=10)
+    assert decoders[1].block_size() == 2
     state = ("token", "pos", "frame", "seen", "hidden")
     for frame in range(2):
         (produced, codes, token), (got_produced, got_codes, got_token) = (d.step() for d in decoders)
         assert got_produced.tolist() == produced.tolist() == [frame < 1, True, False]
-        assert torch.equal(got_codes[:2], codes[:2]) and torch.equal(got_token, token)
+        assert torch.equal(got_codes[:2], codes[:2]) and torch.equal(got_token[:2], token[:2])
         for name in state:
-            torch.testing.assert_close(getattr(decoders[1], name), getattr(decoders[0], name), rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(getattr(decoders[1], name)[:2], getattr(decoders[0], name)[:2], rtol=1e-5, atol=1e-5, msg=name)
         # the code predictor's next first input: the talker's state and the next token's embedding
         assert torch.equal(decoders[1].code_predictor_input[:2, 1], talkers[1].model.codec_embedding(decoders[1].token[:2]))
     assert decoders[1].frame[0] == 1 and decoders[1].frame[2] == 0
+    for decoder in decoders:  # row 1 leaves (it reads as not producing); row 0 gets the rest of its text and runs alone
+        decoder.stop(1)
+        decoder.append_text(0, text, True)
+    assert decoders[1].block_size() == 1
+    (produced, codes, token), (got_produced, got_codes, got_token) = (d.step() for d in decoders)
+    assert got_produced.tolist() == produced.tolist() == [True, False, False]
+    assert torch.equal(got_codes[0], codes[0]) and got_token[0] == token[0]
+    for name in state:
+        torch.testing.assert_close(getattr(decoders[1], name)[0], getattr(decoders[0], name)[0], rtol=1e-5, atol=1e-5, msg=name)
 
 
 @triton.jit

@@ -15,9 +15,17 @@ Batch invariance: every shape in the step is fixed (all `rows` rows, the whole c
 kernels run whatever the occupancy, and a row's numbers depend only on its own inputs. Kernels
 chosen per batch size (cuBLAS picks GEMM algorithms by M, reductions pick their thread layout by
 the number of rows) would make a row's codes depend on how many neighbours it has.
+
+Row blocks (`row_blocks`, with the frame in kernels): the frame runs over the first 1, 2, 4, ...
+rows, the smallest block that holds every occupied row (the engine fills the lowest free row
+first), one graph per block, so a lone listener's frame costs what an engine of one row's does.
+The fused kernels' arithmetic does not depend on the number of rows (`pipeline.kernels.decode`),
+and the one cuBLAS matmul of the frame (the 1.7B's code-predictor input projection) keeps all
+`rows` rows whatever the block.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from functools import partial
 
 import torch
@@ -30,6 +38,9 @@ from pipeline.kernels.sampling import FrameText, code_step, next_token
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer
 
+# Whether an engine whose frame runs in kernels runs it over row blocks when not told (BatchDecoder's
+# `row_blocks`): off until measured on a GPU (pipeline.bench_kernels --ablation times both).
+ROW_BLOCKS = False
 MIN_NEW_TOKENS = 2  # Qwen3-TTS's reference masks EOS for the first two codebook-0 tokens (Qwen3-Omni's: none)
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompts are zero-padded to one of these lengths
 # The decode step is a chain of ~600 small kernels; the vocoder's convolutions fill the GPU. With
@@ -37,10 +48,46 @@ PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompts are zero-padded
 GENERATION_PRIORITY = -1
 
 
+@dataclass(frozen=True)
+class RowBlock:
+    """The first `count` rows of a BatchDecoder's per-row buffers (views): what a frame over those
+    rows reads and writes (a `RowState` for `next_token`)."""
+
+    count: int
+    seed_hash: torch.Tensor
+    frame: torch.Tensor
+    seen: torch.Tensor
+    penalty: torch.Tensor
+    active: torch.Tensor
+    token: torch.Tensor
+    max_frame: torch.Tensor
+    text_len: torch.Tensor
+    text_end: torch.Tensor
+    pos: torch.Tensor
+    produced: torch.Tensor
+    codes: torch.Tensor
+    trailing: torch.Tensor
+    code_predictor_input: torch.Tensor
+    predictor_next: torch.Tensor
+    talker_input: torch.Tensor
+    next_hidden: torch.Tensor
+    talker_sampling: RowSampling
+    sub_sampling: RowSampling
+    cp_positions: list[torch.Tensor]
+
+
+ROW_BUFFERS = tuple(f.name for f in fields(RowBlock) if f.type == "torch.Tensor")  # the decoder's buffers of the same names, sliced
+
+
+def block_sizes(rows: int) -> list[int]:
+    """Row counts a frame may run over: 1, 2, 4, ... below `rows`, then `rows`."""
+    return [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
+
+
 class BatchDecoder:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False,
                  min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None, frame_kernels: bool | None = None,
-                 persistent: bool | None = None):
+                 persistent: bool | None = None, row_blocks: bool | None = None):
         """`fused`: the transformer layers of the step in the Triton kernels of pipeline.kernels,
         and on CUDA its sampling too (default: where `fused_available` says the GPU runs them);
         else the modules' own step, compiled if `compiled`. `frame_kernels`: with `fused` and dense
@@ -49,7 +96,9 @@ class BatchDecoder:
         row state inside them); default: on CUDA. Off, that glue is PyTorch's ops. `persistent`: with
         the frame in kernels, the code predictor's 15 steps in one persistent kernel
         (`CodePredictorKernel`) instead of ~27 kernels a step; default: `code_predictor.PERSISTENT` (off:
-        slower on an H100, see docs/BENCHMARKS.md)."""
+        slower on an H100, see docs/BENCHMARKS.md). `row_blocks`: with the frame in kernels and not
+        `persistent`, each frame over the smallest block of first rows holding every occupied row
+        (see above); default: `ROW_BLOCKS`."""
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
@@ -126,7 +175,11 @@ class BatchDecoder:
         persistent = code_predictor.PERSISTENT if persistent is None else persistent
         self.predictor_kernel = code_predictor.CodePredictorKernel(talker.code_predictor, rows) if self.frame_kernels and persistent else None
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        self.step_graph = CUDAGraphed(self._frame_in_kernels if self.frame_kernels else self._step, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
+        row_blocks = ROW_BLOCKS if row_blocks is None else row_blocks
+        self.block_sizes = block_sizes(rows) if self.frame_kernels and self.predictor_kernel is None and row_blocks else [rows]
+        self.occupied = [False] * rows  # rows between start() and stop(), known without a device sync
+        self.step_graphs = {n: CUDAGraphed(partial(self._frame_in_kernels, self._row_block(n)) if self.frame_kernels else self._step,
+                                           self.use_cuda_graphs, priority=GENERATION_PRIORITY) for n in self.block_sizes}
         self.buckets = sorted({min(b, max_seq) for b in PREFILL_BUCKETS})
         self.prefill_row = zeros(1)
         self.prefill_in = {b: zeros(1, b, config.hidden_size, dtype=dtype) for b in self.buckets}
@@ -171,6 +224,7 @@ class BatchDecoder:
         # Per-row values are written with fill_ (the value travels as a kernel argument): `t[row] = v`
         # copies a host scalar tensor in and waits for the stream to drain, so an admission would
         # wait for the frame in flight, 17 times over.
+        self.occupied[row] = True
         self.seed_hash[row].fill_(int(mix32(torch.tensor(seed & M32))))
         self.seen[row].fill_(False)
         self.frame[row].fill_(0)
@@ -219,7 +273,10 @@ class BatchDecoder:
         self.text_end[row].fill_(end)
 
     def stop(self, row: int) -> None:
+        """The row leaves: it runs no more, and reads as not having produced (a frame over fewer rows leaves it as it is)."""
+        self.occupied[row] = False
         self.active[row].fill_(False)
+        self.produced[row].fill_(False)
 
     def _set_sampling(self, row: int, s: SamplingConfig) -> None:
         self.penalty[row].fill_(s.repetition_penalty)
@@ -253,7 +310,8 @@ class BatchDecoder:
         """Capture the decode step and every prefill bucket now (at load, every row idle), not in a user's time to first audio."""
         if not self.use_cuda_graphs:
             return
-        self.step_graph.capture()
+        for graph in self.step_graphs.values():
+            graph.capture()
         for graph in self.prefill_graphs.values():
             graph.capture()
         self.extend_graph.capture()
@@ -264,8 +322,19 @@ class BatchDecoder:
     def step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One frame for every row that can run. Returns static buffers (copy to keep):
         produced [rows] (which rows made a frame), codes [rows, 16], and the next codebook-0 token [rows]."""
-        self.step_graph()
+        self.step_graphs[self.block_size()]()
         return self.produced, self.codes, self.token
+
+    def block_size(self) -> int:
+        """The rows the next frame runs over: the smallest block size holding every occupied row."""
+        last = max((row for row, occupied in enumerate(self.occupied) if occupied), default=-1)
+        return next(n for n in self.block_sizes if n > last)
+
+    def _row_block(self, count: int) -> RowBlock:
+        """Views of the first `count` rows of the per-row buffers (built once per block size, at load)."""
+        rows = slice(0, count)
+        return RowBlock(count, **{name: getattr(self, name)[rows] for name in ROW_BUFFERS}, talker_sampling=self.talker_sampling.select(rows), sub_sampling=self.sub_sampling.select(rows),
+                        cp_positions=[p[rows] for p in self.cp_positions])
 
     def _next_token(self, logits: torch.Tensor, rows: slice, frame: torch.Tensor) -> torch.Tensor:
         """Codebook-0 logits [n, V] of the rows `rows` at frame `frame` [n] -> tokens [n], with the reference's logit processors."""
@@ -314,34 +383,37 @@ class BatchDecoder:
         self.codes.copy_(codes)
         self.produced.copy_(run)
 
-    def _frame_in_kernels(self) -> None:
-        """`_step` with its glue inside the kernels: per code-predictor step, the layers, the head and
-        one kernel that draws the codebook and writes the next step's input (after the last, the
-        talker's input: code embeddings and text); then the talker's layers, its head (final norm,
-        logits and the normed state at once) and one kernel for the next codebook-0 token and the
-        commit of every row's state. Same arithmetic as `_step`'s ops, in the kernels' order of sums.
-        With `predictor_kernel`, the code predictor's steps are one persistent kernel instead."""
-        text = FrameText(self.trailing, self.text_len, self.tts_pad)
+    def _frame_in_kernels(self, rows: RowBlock) -> None:
+        """`_step` with its glue inside the kernels, over the first `rows.count` rows: per
+        code-predictor step, the layers, the head and one kernel that draws the codebook and writes
+        the next step's input (after the last, the talker's input: code embeddings and text); then
+        the talker's layers, its head (final norm, logits and the normed state at once) and one
+        kernel for the next codebook-0 token and the commit of every row's state. Same arithmetic as
+        `_step`'s ops, in the kernels' order of sums. With `predictor_kernel` (all rows), the code
+        predictor's steps are one persistent kernel instead."""
+        text = FrameText(rows.trailing, rows.text_len, self.tts_pad)
         if self.predictor_kernel is not None:
-            self.predictor_kernel(self.code_predictor_input, self.predictor_next, self.talker_input, self.sub_sampling, self.seed_hash, self.frame,
-                                  self.draws_per_frame, self.vocab, self.codes, self.code_tables, self.table_starts, self.token, text)
+            self.predictor_kernel(rows.code_predictor_input, rows.predictor_next, rows.talker_input, rows.sub_sampling, rows.seed_hash, rows.frame,
+                                  self.draws_per_frame, self.vocab, rows.codes, self.code_tables, self.table_starts, rows.token, text)
         else:
-            self._predict_in_kernels(text)
-        logits = fused_decode_logits(self.talker.model, self.talker_input, self.pos[:, None], self.talker.codec_head.weight, normed=self.next_hidden)
-        next_token(logits, self.talker_sampling, self, self.draws_per_frame, self.suppressed, self.eos_id, self.min_new_tokens, self.next_hidden,
-                   self.code_predictor_input, self.talker.model.codec_embedding.weight)
+            self._predict_in_kernels(rows, text)
+        logits = fused_decode_logits(self.talker.model, rows.talker_input, rows.pos[:, None], self.talker.codec_head.weight, normed=rows.next_hidden)
+        next_token(logits, rows.talker_sampling, rows, self.draws_per_frame, self.suppressed, self.eos_id, self.min_new_tokens, rows.next_hidden,
+                   rows.code_predictor_input, self.talker.model.codec_embedding.weight)
 
-    def _predict_in_kernels(self, text: FrameText) -> None:
-        """The code predictor a kernel per stage: per step, its layers, its head and `code_step`."""
+    def _predict_in_kernels(self, rows: RowBlock, text: FrameText) -> None:
+        """The code predictor a kernel per stage over the block's rows: per step, its layers, its
+        head and `code_step`. The 1.7B's input projection (cuBLAS, whose algorithm follows M) runs
+        over all rows whatever the block, so that a row's codes never depend on the block's size."""
         predictor = self.talker.code_predictor
         project = predictor.small_to_mtp_projection
         inputs = self.code_predictor_input
         for head in range(self.sub_steps):
-            logits = self.predictor_logits(project(inputs), self.cp_positions[head], predictor.lm_head[head].weight)
+            logits = self.predictor_logits(project(inputs)[: rows.count], rows.cp_positions[head], predictor.lm_head[head].weight)
             last = head == self.sub_steps - 1
-            code_step(logits, self.sub_sampling, self.seed_hash, self.frame, self.draws_per_frame, self.vocab + head * self.sub_vocab, self.codes,
-                      head + 1, self.code_tables, self.table_starts, self.talker_input if last else self.predictor_next,
-                      text=text if last else None, token=self.token)
+            code_step(logits, rows.sub_sampling, rows.seed_hash, rows.frame, self.draws_per_frame, self.vocab + head * self.sub_vocab, rows.codes,
+                      head + 1, self.code_tables, self.table_starts, rows.talker_input if last else rows.predictor_next,
+                      text=text if last else None, token=rows.token)
             inputs = self.predictor_next
 
 
