@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from pipeline.graphs import CUDAGraphed
 from pipeline.kernels import fused_available, fused_decode, fused_decode_logits, fused_sample, fused_supported
 from pipeline.kernels import code_predictor
-from pipeline.kernels.sampling import FrameText, code_step, next_token
+from pipeline.kernels.sampling import FrameText, RowState, code_step, next_token
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer
 
@@ -49,22 +49,11 @@ GENERATION_PRIORITY = -1
 
 
 @dataclass(frozen=True)
-class RowBlock:
+class RowBlock(RowState):
     """The first `count` rows of a BatchDecoder's per-row buffers (views): what a frame over those
-    rows reads and writes (a `RowState` for `next_token`)."""
+    rows reads and writes (its `RowState` part is what `next_token` advances)."""
 
     count: int
-    seed_hash: torch.Tensor
-    frame: torch.Tensor
-    seen: torch.Tensor
-    penalty: torch.Tensor
-    active: torch.Tensor
-    token: torch.Tensor
-    max_frame: torch.Tensor
-    text_len: torch.Tensor
-    text_end: torch.Tensor
-    pos: torch.Tensor
-    produced: torch.Tensor
     codes: torch.Tensor
     trailing: torch.Tensor
     code_predictor_input: torch.Tensor
@@ -333,7 +322,7 @@ class BatchDecoder:
     def _row_block(self, count: int) -> RowBlock:
         """Views of the first `count` rows of the per-row buffers (built once per block size, at load)."""
         rows = slice(0, count)
-        return RowBlock(count, **{name: getattr(self, name)[rows] for name in ROW_BUFFERS}, talker_sampling=self.talker_sampling.select(rows), sub_sampling=self.sub_sampling.select(rows),
+        return RowBlock(count=count, **{name: getattr(self, name)[rows] for name in ROW_BUFFERS}, talker_sampling=self.talker_sampling.select(rows), sub_sampling=self.sub_sampling.select(rows),
                         cp_positions=[p[rows] for p in self.cp_positions])
 
     def _next_token(self, logits: torch.Tensor, rows: slice, frame: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ bit, which changes a draw only where it decides the cutoff to that bit.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -44,7 +45,8 @@ class FrameText(NamedTuple):
     pad: torch.Tensor
 
 
-class RowState(Protocol):
+@dataclass(frozen=True)
+class RowState:
     """The per-row decode state that the end of a frame reads and advances ([rows] tensors; seen [rows, V])."""
 
     seed_hash: torch.Tensor
