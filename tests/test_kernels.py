@@ -287,6 +287,26 @@ def test_split_k_equals_the_unsplit_kernel_and_repeats_exactly(mode):
     assert not workspace.locks.any()
 
 
+def test_a_workspace_keeps_every_buffer_it_handed_out():
+    """A larger request replaces the workspace's buffers, but the ones handed out before stay alive
+    (a CUDA graph captured with them, the decoder's graph over fewer rows, still writes there) and
+    the new counters start at zero."""
+    import gc
+    import weakref
+
+    from pipeline.kernels.decode import Workspace
+
+    workspace = Workspace()
+    small = [weakref.ref(t) for t in (*workspace.get(2, 4, 16, torch.device("cpu")), workspace.stats(8, torch.device("cpu")))]
+    partial, locks = workspace.get(32, 4, 16, torch.device("cpu"))
+    stats = workspace.stats(128, torch.device("cpu"))
+    gc.collect()
+    assert all(ref() is not None for ref in small)
+    assert partial.numel() == 32 * 4 * 2 * 16 and locks.numel() == 32 and stats.numel() == 128
+    assert not locks.any()
+    assert workspace.get(3, 4, 16, torch.device("cpu"))[0] is partial  # room enough: the same buffer
+
+
 @torch.inference_mode()
 def test_split_k_qkv_equals_the_unsplit_kernel():
     from pipeline.kernels.decode import Tiles, Workspace, qkv_rope

@@ -494,27 +494,35 @@ class Tiles:
 class Workspace:
     """Split-K partial sums and per-tile arrival counters of one model's decode step. Its kernels
     run one after another on one stream and each leaves its counters at zero; two models' steps may
-    run at once, so each model has its own."""
+    run at once, so each model has its own.
+
+    A buffer handed out is never freed while the workspace lives, even when a larger one replaces
+    it: a CUDA graph captured with it (the decoder's graph over fewer rows) keeps its address."""
 
     def __init__(self) -> None:
         self.partial: torch.Tensor | None = None
         self.locks: torch.Tensor | None = None
         self.softmax_stats: torch.Tensor | None = None
+        self.replaced: list[torch.Tensor] = []
 
     def get(self, tiles: int, split_k: int, tile_floats: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for `split_k` partials (two accumulators of `tile_floats` each) of `tiles` tiles, and their counters."""
-        floats = tiles * split_k * 2 * tile_floats
-        if self.partial is None or self.partial.numel() < floats:
-            self.partial = torch.empty(floats, dtype=torch.float32, device=device)
-        if self.locks is None or self.locks.numel() < tiles:
-            self.locks = torch.zeros(tiles, dtype=torch.int32, device=device)
+        self.partial = self._room(self.partial, tiles * split_k * 2 * tile_floats, torch.float32, device)
+        self.locks = self._room(self.locks, tiles, torch.int32, device)
         return self.partial, self.locks
 
     def stats(self, floats: int, device: torch.device) -> torch.Tensor:
         """Split attention's per-chunk softmax maximum and sum."""
-        if self.softmax_stats is None or self.softmax_stats.numel() < floats:
-            self.softmax_stats = torch.empty(floats, dtype=torch.float32, device=device)
+        self.softmax_stats = self._room(self.softmax_stats, floats, torch.float32, device)
         return self.softmax_stats
+
+    def _room(self, buffer: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`buffer` if it holds `numel` elements, else a larger zeroed one (counters start at zero), `buffer` kept alive."""
+        if buffer is not None and buffer.numel() >= numel:
+            return buffer
+        if buffer is not None:
+            self.replaced.append(buffer)
+        return torch.zeros(numel, dtype=dtype, device=device)
 
 
 # Measured on an H200 (`python -m pipeline.bench_kernels --sweep`, 2026-11-23), bf16, one row, per
