@@ -83,7 +83,7 @@ def serial_profile(size: str, workdir: Path) -> dict:
 
 
 BEFORE_SWEEP = "kernel per stage, the tiles before this run's sweep"
-ROW_BLOCKS_LABEL = "kernel per stage, each frame over the block of rows holding the occupied ones (row blocks)"
+ALL_ROWS_LABEL = "kernel per stage, every frame over all 16 rows (row blocks off)"
 # (label, pipeline.kernels.decode settings, the code predictor in one persistent kernel)
 ABLATION = (
     ("kernel per stage, overlapped launches off, prefetch off", dict(OVERLAP=False, L2_PREFETCH_BYTES=0), False),
@@ -96,8 +96,9 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) ->
     """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
     weights' L2 prefetch off and on, and with the code predictor in one persistent kernel; kernels
     per frame; for both code-predictor paths the 16-row engine at 1 / 8 / 16 rows running, and for
-    the kernel-per-stage path with row blocks too; and how near the bf16 codes of the persistent
-    path and of the row-blocked 16-row engine are to the 1-row engine's (one sampled utterance, seed 7). Not compiled: with the
+    the kernel-per-stage path with row blocks off too (every frame over all rows); and how near the
+    bf16 codes of the persistent path and of the 16-row engine (row blocks on and off) are to the
+    1-row engine's (one sampled utterance, seed 7). Not compiled: with the
     fused kernels the step runs no torch.compile'd code (the prefill does)."""
     result: dict = {"rows_1": {}, "kernels": {}, "rows_16": {}}
     outputs = {}
@@ -110,18 +111,20 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) ->
                 outputs[persistent] = codes_and_audio(tts, False, frames)
                 del tts
                 tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
-                result["rows_16"]["persistent code predictor" if persistent else "kernel per stage"] = occupied_step_ms(tts)
+                result["rows_16"]["persistent code predictor" if persistent else "kernel per stage (row blocks, the default)"] = occupied_step_ms(tts)
                 if not persistent:
+                    outputs["16 rows"] = codes_and_audio(tts, False, frames)
                     del tts
-                    with kernel_settings(decoder_module, ROW_BLOCKS=True):
+                    with kernel_settings(decoder_module, ROW_BLOCKS=False):
                         tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
-                    result["rows_16"][ROW_BLOCKS_LABEL] = occupied_step_ms(tts)
-                    outputs["row blocks"] = codes_and_audio(tts, False, frames)
+                    result["rows_16"][ALL_ROWS_LABEL] = occupied_step_ms(tts)
+                    outputs["16 rows, all rows"] = codes_and_audio(tts, False, frames)
         print(size, label, result["rows_1"][label], result["kernels"][label], flush=True)
         del tts
         torch.cuda.empty_cache()
     result["bf16_persistent_against_per_stage"] = nearness(outputs[False], outputs[True])
-    result["bf16_row_blocks_against_one_row"] = nearness(outputs[False], outputs["row blocks"])
+    result["bf16_16_rows_against_one_row"] = {
+        "row blocks": nearness(outputs[False], outputs["16 rows"]), "all rows": nearness(outputs[False], outputs["16 rows, all rows"])}
     return result
 
 
@@ -262,9 +265,9 @@ def ablation_markdown(report: dict) -> str:
         near = runs[s]["bf16_persistent_against_per_stage"]
         lines.append(f"{s} bf16, sampled (seed 7), persistent code predictor against a kernel per stage: {100 * near['equal_code_share']:.1f}% "
                      f"of codes equal, first differing frame {near['first_differing_frame']}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
-        near = runs[s]["bf16_row_blocks_against_one_row"]
-        lines.append(f"{s} bf16, sampled (seed 7), the 16-row engine with row blocks against the 1-row engine: codes "
-                     f"{'identical' if near['identical'] else 'NOT identical'}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
+        for blocks, near in runs[s]["bf16_16_rows_against_one_row"].items():
+            lines.append(f"{s} bf16, sampled (seed 7), the 16-row engine ({blocks}) against the 1-row engine: codes "
+                         f"{'identical' if near['identical'] else 'NOT identical'}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
     if report.get("profile"):
         for s, profile in report["profile"].items():
             lines += ["", f"Where the default step's time goes ({s}, engine of 1 row, overlapped launches off: the kernels' own times):", "",

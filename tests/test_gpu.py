@@ -69,20 +69,20 @@ def test_same_seed_same_audio_alone_and_in_a_batch_of_8(graphed):
 
 
 def test_row_blocks_give_the_audio_of_all_rows_alone_and_as_neighbours_come_and_go(workdir, graphed, monkeypatch):
-    """Row blocks (each frame over the first rows that hold every occupied one, a graph per block):
-    the codes and audio of the engine that runs all 8 rows, alone (a block of 1) and while three
-    neighbours join and leave (the block grows to 4 and shrinks back under the request)."""
+    """Row blocks (the default: each frame over the first rows that hold every occupied one, a graph
+    per block): the codes and audio of the engine that runs all 8 rows every frame, alone (a block
+    of 1) and while three neighbours join and leave (the block grows to 4 and shrinks back under
+    the request)."""
     import pipeline.engine.decoder as decoder_module
 
-    expected = graphed.synthesize(request(1234))
-    monkeypatch.setattr(decoder_module, "ROW_BLOCKS", True)
-    blocked = engine(workdir, graphs=True)
-    assert blocked.engine.decoder.block_sizes == [1, 2, 4, 8]
-    alone = blocked.synthesize(request(1234))
+    assert graphed.engine.decoder.block_sizes == [1, 2, 4, 8]
+    monkeypatch.setattr(decoder_module, "ROW_BLOCKS", False)
+    expected = engine(workdir, graphs=True).synthesize(request(1234))
+    alone = graphed.synthesize(request(1234))
     np.testing.assert_array_equal(alone.codes, expected.codes)
     np.testing.assert_array_equal(alone.audio, expected.audio)
-    target = blocked.submit(request(1234))
-    neighbours = [blocked.submit(request(i, 20 * i)) for i in range(1, 4)]
+    target = graphed.submit(request(1234))
+    neighbours = [graphed.submit(request(i, 20 * i)) for i in range(1, 4)]
     audio = np.concatenate([c.audio for c in target])
     np.testing.assert_array_equal(target.codes.numpy(), expected.codes)
     np.testing.assert_array_equal(audio, expected.audio)
