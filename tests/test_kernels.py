@@ -287,6 +287,24 @@ def test_split_k_equals_the_unsplit_kernel_and_repeats_exactly(mode):
     assert not workspace.locks.any()
 
 
+@torch.inference_mode()
+def test_the_matmul_kernel_adds_a_bias_as_a_linear_does():
+    """A Linear with a bias (the 1.7B's code-predictor input projection) in the matmul kernel, whole
+    and split-K: the module's output; and a row's result does not depend on how many rows run."""
+    from pipeline.kernels.decode import Tiles, Workspace, linear
+
+    generator = torch.Generator().manual_seed(6)
+    module = torch.nn.Linear(64, 48).to(DEVICE)
+    x = torch.randn(5, 64, generator=generator).to(DEVICE)
+    for split_k in (1, 4):
+        out = torch.empty(5, 48, device=DEVICE)
+        linear(x, module.weight, out, Workspace(), bias=module.bias, shape=Tiles(block_k=16, split_k=split_k))
+        torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
+        one = torch.empty(1, 48, device=DEVICE)
+        linear(x[2:3], module.weight, one, Workspace(), bias=module.bias, shape=Tiles(block_k=16, split_k=split_k))
+        assert torch.equal(one[0], out[2])
+
+
 def test_a_workspace_keeps_every_buffer_it_handed_out():
     """A larger request replaces the workspace's buffers, but the ones handed out before stay alive
     (a CUDA graph captured with them, the decoder's graph over fewer rows, still writes there) and

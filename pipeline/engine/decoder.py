@@ -19,9 +19,8 @@ the number of rows) would make a row's codes depend on how many neighbours it ha
 Row blocks (`row_blocks`, with the frame in kernels): the frame runs over the first 1, 2, 4, ...
 rows, the smallest block that holds every occupied row (the engine fills the lowest free row
 first), one graph per block, so a lone listener's frame costs what an engine of one row's does.
-The fused kernels' arithmetic does not depend on the number of rows (`pipeline.kernels.decode`),
-and the one cuBLAS matmul of the frame (the 1.7B's code-predictor input projection) keeps all
-`rows` rows whatever the block.
+The fused kernels' arithmetic does not depend on the number of rows (`pipeline.kernels.decode`);
+the frame runs no cuBLAS matmul (whose algorithm follows the row count).
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.graphs import CUDAGraphed
-from pipeline.kernels import fused_available, fused_decode, fused_decode_logits, fused_sample, fused_supported
+from pipeline.kernels import fused_available, fused_decode, fused_decode_logits, fused_linear, fused_sample, fused_supported
 from pipeline.kernels import code_predictor
 from pipeline.kernels.sampling import FrameText, RowState, code_step, next_token
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
@@ -59,6 +58,8 @@ class RowBlock(RowState):
     trailing: torch.Tensor
     code_predictor_input: torch.Tensor
     predictor_next: torch.Tensor
+    projected_input: torch.Tensor
+    projected_next: torch.Tensor
     talker_input: torch.Tensor
     next_hidden: torch.Tensor
     talker_sampling: RowSampling
@@ -160,6 +161,11 @@ class BatchDecoder:
         if self.frame_kernels:
             self.code_tables, self.table_starts = stack_code_tables(talker)
             self.predictor_next = zeros(rows, 1, config.hidden_size, dtype=dtype)
+            # The code predictor's inputs in its width (the 1.7B's input projection writes them; the 0.6B's are its inputs).
+            project = talker.code_predictor.small_to_mtp_projection
+            self.projected_input, self.projected_next = (
+                (zeros(rows, 2, project.out_features, dtype=dtype), zeros(rows, 1, project.out_features, dtype=dtype))
+                if isinstance(project, torch.nn.Linear) else (self.code_predictor_input, self.predictor_next))
             self.talker_input = zeros(rows, 1, config.hidden_size, dtype=dtype)
             self.next_hidden = zeros(rows, config.hidden_size, dtype=dtype)
         persistent = code_predictor.PERSISTENT if persistent is None else persistent
@@ -392,19 +398,19 @@ class BatchDecoder:
                    rows.code_predictor_input, self.talker.model.codec_embedding.weight)
 
     def _predict_in_kernels(self, rows: RowBlock, text: FrameText) -> None:
-        """The code predictor a kernel per stage over the block's rows: per step, its layers, its
-        head and `code_step`. The 1.7B's input projection (cuBLAS, whose algorithm follows M) runs
-        over all rows whatever the block, so that a row's codes never depend on the block's size."""
+        """The code predictor a kernel per stage over the block's rows: per step, its input
+        projection (the 1.7B's), its layers, its head and `code_step`."""
         predictor = self.talker.code_predictor
         project = predictor.small_to_mtp_projection
-        inputs = self.code_predictor_input
         for head in range(self.sub_steps):
-            logits = self.predictor_logits(project(inputs)[: rows.count], rows.cp_positions[head], predictor.lm_head[head].weight)
+            inputs, projected = (rows.code_predictor_input, rows.projected_input) if head == 0 else (rows.predictor_next, rows.projected_next)
+            if isinstance(project, torch.nn.Linear):
+                fused_linear(predictor.model, project, inputs, projected)
+            logits = self.predictor_logits(projected, rows.cp_positions[head], predictor.lm_head[head].weight)
             last = head == self.sub_steps - 1
             code_step(logits, rows.sub_sampling, rows.seed_hash, rows.frame, self.draws_per_frame, self.vocab + head * self.sub_vocab, rows.codes,
                       head + 1, self.code_tables, self.table_starts, rows.talker_input if last else rows.predictor_next,
                       text=text if last else None, token=rows.token)
-            inputs = self.predictor_next
 
 
 def stack_code_tables(talker: Talker) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from pipeline.model import MLP, Transformer
 
 if TYPE_CHECKING:  # pipeline.engine imports this package
     from pipeline.engine.sampling import RowSampling
+    from pipeline.kernels.decode import Workspace
 
 _WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its split-K workspace
 
@@ -64,12 +65,26 @@ def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Te
     return linear(last, head, logits, _WORKSPACES[model], norm=model.norm, normed=normed)
 
 
+@torch.inference_mode()
+def fused_linear(model: Transformer, module: torch.nn.Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`module(x)` into out [rows, L, out_features] in the decode step's matmul kernel (x [rows, L,
+    in_features], contiguous), on `model`'s workspace: the step that runs before `model`'s layers (the
+    1.7B's code-predictor input projection). Its arithmetic does not depend on the number of rows,
+    as cuBLAS's does (it picks its algorithm by M)."""
+    from pipeline.kernels.decode import linear
+
+    rows, length, features = x.shape
+    linear(x.view(rows * length, features), module.weight, out.view(rows * length, -1), _workspace(model), bias=module.bias,
+           following=model.layers[0].self_attn.qkv_proj.weight)
+    return out
+
+
 def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
     """The residual stream [rows * L, hidden] after every layer of `model` (before the final norm);
     `following`: the weight of the matmul after the last layer (an output head)."""
-    from pipeline.kernels.decode import Workspace, decoder_layer
+    from pipeline.kernels.decode import decoder_layer
 
-    workspace = _WORKSPACES.setdefault(model, Workspace())
+    workspace = _workspace(model)
     rows, length, hidden = x.shape
     source = x.reshape(rows * length, hidden).contiguous()
     # The residual stream: the first layer reads x and writes it, the others update it in place (no copy of x).
@@ -80,6 +95,13 @@ def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor, follow
         decoder_layer(layer, source, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace, following=weight)
         source = h
     return h
+
+
+def _workspace(model: Transformer) -> "Workspace":
+    """`model`'s split-K workspace (one per model: two models' steps may run at once)."""
+    from pipeline.kernels.decode import Workspace
+
+    return _WORKSPACES.setdefault(model, Workspace())
 
 
 def fused_sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor) -> torch.Tensor:

@@ -177,14 +177,14 @@ def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, arrivals, SPLIT_K: tl.
 
 
 @triton.jit
-def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, K: tl.constexpr, eps,
-                   HAS_NORM: tl.constexpr, STORE_NORMED: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, K: tl.constexpr,
+                   eps, HAS_NORM: tl.constexpr, STORE_NORMED: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    next_ptr, next_size, OVERLAP: tl.constexpr, NEXT_LINES: tl.constexpr, LINE: tl.constexpr):
     """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ w^T); program (row block, column block, K split).
 
     x's rows are `stride_x` apart. normed (STORE_NORMED, with HAS_NORM): the normed x [M, K], written
-    by the programs of the first column block.
+    by the programs of the first column block. HAS_BIAS: bias [N] added as a Linear adds it.
 
     MODE 0: plain (out may be float32 for activations in a narrower dtype: the result is rounded
     to the activations' dtype first, as `F.linear(...).float()`); 1: out = residual + result
@@ -195,7 +195,7 @@ def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, res_ptr, out_pt
     acc, up = _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N, K, eps, HAS_NORM, STORE_NORMED, MODE, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
                            SPLIT_K, pid_m, pid_n, pid_k)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + pid_n) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
-    _linear_finish(acc, up, w_ptr, False, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N, MODE, BLOCK_M, BLOCK_N, SPLIT_K, pid_m, pid_n, pid_k,
+    _linear_finish(acc, up, bias_ptr, HAS_BIAS, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N, MODE, BLOCK_M, BLOCK_N, SPLIT_K, pid_m, pid_n, pid_k,
                    tl.num_programs(1), x_ptr.dtype.element_ty)
 
 
@@ -535,6 +535,7 @@ TUNED: dict[tuple[str, int, int], Tiles] = {
     ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, split_k=4),  # 6.3 us against 8.6 unsplit
     ("qkv", 4096, 2048): Tiles(block_k=128, num_warps=8, split_k=4),  # 10.6 us
     ("linear1", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o-proj, 0.6B: 4.3 us
+    ("linear0", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # the 1.7B's code-predictor input projection: the o-proj's shape
     ("linear1", 1024, 3072): Tiles(block_n=32, block_k=128, split_k=8),  # down, 0.6B: 5.1 us
     ("linear2", 3072, 1024): Tiles(block_n=32),  # gate/up, 0.6B: 6.8 us
     ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o-proj, 1.7B: 5.1 us
@@ -594,10 +595,10 @@ def _check_split(k: int, t: Tiles) -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: Workspace, norm: torch.nn.Module | None = None, mode: int = 0,
            residual: torch.Tensor | None = None, shape: Tiles | None = None, following: torch.Tensor | None = None,
-           normed: torch.Tensor | None = None) -> torch.Tensor:
-    """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ weight^T); see _linear_kernel for `mode`. x's rows
-    may be apart (x[:, -1] of [M, L, K]). `following`: the weight of the next matmul, asked into L2
-    ahead of it. `normed` [M, K] (with `norm`): receives RMSNorm(x)."""
+           normed: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ weight^T (+ bias)); see _linear_kernel for `mode`.
+    x's rows may be apart (x[:, -1] of [M, L, K]). `following`: the weight of the next matmul, asked
+    into L2 ahead of it. `normed` [M, K] (with `norm`): receives RMSNorm(x)."""
     m, k = x.shape
     assert x.stride(1) == 1 and (normed is None or (norm is not None and normed.is_contiguous()))
     n = out.shape[1]
@@ -607,8 +608,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: 
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * t.block_n, x.device)
     _linear_kernel[grid](
         x, x.stride(0), norm.weight if norm is not None else weight, normed if normed is not None else x, weight,
-        residual if residual is not None else out, out, partial, locks, m, n, k, norm.eps if norm is not None else 0.0,
-        HAS_NORM=norm is not None, STORE_NORMED=normed is not None, MODE=mode, IEEE=x.dtype == torch.float32,
+        bias if bias is not None else weight, residual if residual is not None else out, out, partial, locks, m, n, k,
+        norm.eps if norm is not None else 0.0, HAS_NORM=norm is not None, STORE_NORMED=normed is not None, HAS_BIAS=bias is not None,
+        MODE=mode, IEEE=x.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages,
         **launch_options(x.device), **_prefetch(following, grid[0] * grid[1] * grid[2], weight))
     return out
