@@ -28,7 +28,7 @@ from pipeline.tts import TTS
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
     ("code predictor (one persistent kernel: its 15 steps, sampling included)", ("_code_predictor_kernel",)),
-    ("q/k/v + norms + RoPE + cache write", ("_qkv_kernel",)),
+    ("q/k/v + norms + RoPE + cache write (and the attention, where inside)", ("_qkv_kernel",)),
     ("attention", ("_attention_",)),
     ("projections (o, gate/up, down)", ("_linear_kernel",)),
     ("final norms", ("_rms_norm_kernel",)),
@@ -84,22 +84,25 @@ def serial_profile(size: str, workdir: Path) -> dict:
 
 BEFORE_SWEEP = "kernel per stage, the tiles before this run's sweep"
 ALL_ROWS_LABEL = "kernel per stage, every frame over all 16 rows (row blocks off)"
+ATTEND_LABEL = "kernel per stage, the code predictor's attention inside its q/k/v kernel"
 # (label, pipeline.kernels.decode settings, the code predictor in one persistent kernel)
 ABLATION = (
     ("kernel per stage, overlapped launches off, prefetch off", dict(OVERLAP=False, L2_PREFETCH_BYTES=0), False),
     ("kernel per stage, overlapped launches on, prefetch on (the default)", {}, False),
+    (ATTEND_LABEL, dict(ATTEND_IN_QKV=True), False),
     ("persistent code predictor (the talker's kernels as the default's)", {}, True),
 )
 
 
 def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) -> dict:
     """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
-    weights' L2 prefetch off and on, and with the code predictor in one persistent kernel; kernels
-    per frame; for both code-predictor paths the 16-row engine at 1 / 8 / 16 rows running, and for
-    the kernel-per-stage path with row blocks off too (every frame over all rows); and how near the
-    bf16 codes of the persistent path and of the 16-row engine (row blocks on and off) are to the
-    1-row engine's (one sampled utterance, seed 7). Not compiled: with the
-    fused kernels the step runs no torch.compile'd code (the prefill does)."""
+    weights' L2 prefetch off and on, with the code predictor's attention inside its q/k/v kernel,
+    and with the code predictor in one persistent kernel; kernels per frame; for both
+    code-predictor paths and the attention inside q/k/v the 16-row engine at 1 / 8 / 16 rows
+    running, and for the kernel-per-stage path with row blocks off too (every frame over all rows);
+    and how near the bf16 codes of the other paths and of the 16-row engine (row blocks on and off)
+    are to the 1-row engine's (one sampled utterance, seed 7). Not compiled: with the fused kernels
+    the step runs no torch.compile'd code (the prefill does)."""
     result: dict = {"rows_1": {}, "kernels": {}, "rows_16": {}}
     outputs = {}
     for label, settings, persistent in variants:
@@ -119,10 +122,17 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) ->
                         tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
                     result["rows_16"][ALL_ROWS_LABEL] = occupied_step_ms(tts)
                     outputs["16 rows, all rows"] = codes_and_audio(tts, False, frames)
+            if label == ATTEND_LABEL:
+                outputs[label] = codes_and_audio(tts, False, frames)
+                del tts
+                tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
+                result["rows_16"][label] = occupied_step_ms(tts)
         print(size, label, result["rows_1"][label], result["kernels"][label], flush=True)
         del tts
         torch.cuda.empty_cache()
     result["bf16_persistent_against_per_stage"] = nearness(outputs[False], outputs[True])
+    if ATTEND_LABEL in outputs:
+        result["bf16_attention_in_qkv_against_per_stage"] = nearness(outputs[False], outputs[ATTEND_LABEL])
     result["bf16_16_rows_against_one_row"] = {
         "row blocks": nearness(outputs[False], outputs["16 rows"]), "all rows": nearness(outputs[False], outputs["16 rows, all rows"])}
     return result
@@ -262,9 +272,12 @@ def ablation_markdown(report: dict) -> str:
         lines.append(f"| {path} | " + " | ".join(" / ".join(f"{ms:.2f}" for ms in runs[s]["rows_16"][path].values()) for s in sizes) + " |")
     lines.append("")
     for s in sizes:
-        near = runs[s]["bf16_persistent_against_per_stage"]
-        lines.append(f"{s} bf16, sampled (seed 7), persistent code predictor against a kernel per stage: {100 * near['equal_code_share']:.1f}% "
-                     f"of codes equal, first differing frame {near['first_differing_frame']}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
+        for key, what in (("bf16_persistent_against_per_stage", "persistent code predictor"),
+                          ("bf16_attention_in_qkv_against_per_stage", "the code predictor's attention inside its q/k/v kernel")):
+            if key in runs[s]:
+                near = runs[s][key]
+                lines.append(f"{s} bf16, sampled (seed 7), {what} against a kernel per stage: {100 * near['equal_code_share']:.1f}% of codes "
+                             f"equal, first differing frame {near['first_differing_frame']}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
         for blocks, near in runs[s]["bf16_16_rows_against_one_row"].items():
             lines.append(f"{s} bf16, sampled (seed 7), the 16-row engine ({blocks}) against the 1-row engine: codes "
                          f"{'identical' if near['identical'] else 'NOT identical'}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
