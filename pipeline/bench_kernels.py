@@ -88,6 +88,7 @@ ATTEND_LABEL = "kernel per stage, the code predictor's attention inside its q/k/
 # (label, pipeline.kernels.decode settings, the code predictor in one persistent kernel)
 ABLATION = (
     ("kernel per stage, overlapped launches off, prefetch off", dict(OVERLAP=False, L2_PREFETCH_BYTES=0), False),
+    ("kernel per stage, overlapped launches on, prefetch off", dict(L2_PREFETCH_BYTES=0), False),
     ("kernel per stage, overlapped launches on, prefetch on (the default)", {}, False),
     (ATTEND_LABEL, dict(ATTEND_IN_QKV=True), False),
     ("persistent code predictor (the talker's kernels as the default's)", {}, True),
@@ -96,7 +97,7 @@ ABLATION = (
 
 def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) -> dict:
     """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
-    weights' L2 prefetch off and on, with the code predictor's attention inside its q/k/v kernel,
+    weights' L2 prefetch off and on (and the prefetch alone off), with the code predictor's attention inside its q/k/v kernel,
     and with the code predictor in one persistent kernel; kernels per frame; for both
     code-predictor paths and the attention inside q/k/v the 16-row engine at 1 / 8 / 16 rows
     running, and for the kernel-per-stage path with row blocks off too (every frame over all rows);
