@@ -62,7 +62,7 @@ def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Te
     rows, length, hidden = x.shape
     last = _layers(model, x, positions, following=head).view(rows, length, hidden)[:, -1]
     logits = torch.empty(rows, head.shape[0], dtype=torch.float32, device=x.device)
-    return linear(last, head, logits, _WORKSPACES[model], norm=model.norm, normed=normed)
+    return linear(last, head, logits, _workspace(model), norm=model.norm, normed=normed)
 
 
 @torch.inference_mode()

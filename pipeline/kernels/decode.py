@@ -10,7 +10,8 @@
 5. down projection with the residual add in the epilogue.
 
 Opt-in (`ATTEND_IN_QKV`, not yet timed on a GPU): for caches of one attention block (the code
-predictor's), 2 inside 1 - the last of a kv group's heads to be written attends for the group.
+predictor's), kernel 2 runs inside kernel 1, whose last program of each kv group to write its head
+attends for the group.
 
 Numerics are the reference's: RMSNorm variance and RoPE in float32; every intermediate that the
 unfused layer rounds to the activation dtype (projection outputs, normed activations, the
