@@ -73,6 +73,7 @@ import datetime
 import gc
 import importlib.metadata
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -454,13 +455,22 @@ def run_system(system: str, directory: Path, size: str, model_type: str, args: a
 
 
 def commit() -> str | None:
-    """The repository's commit (+ "dirty" when the tree differs), where git and .git are at hand."""
+    """The repository's commit, the hash of the tree of the files as they are (what `git log
+    --format='%h %T'` matches to the commit holding exactly them, also where this .git is older than
+    the files, as on a machine that receives a copy of the work tree), and "dirty" where that tree
+    is not the commit's; None where git or .git is missing."""
+    def git(*args: str, **options) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, **options).stdout.strip()
+
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True).stdout
+        head, head_tree = git("rev-parse", "--short", "HEAD"), git("rev-parse", "HEAD^{tree}")
+        with tempfile.TemporaryDirectory() as index:  # a scratch index: the repository's own stays as it is
+            env = {**os.environ, "GIT_INDEX_FILE": str(Path(index) / "index")}
+            git("add", "--all", env=env)
+            tree = git("write-tree", env=env)
     except (OSError, subprocess.CalledProcessError):
         return None
-    return head + (" (dirty)" if dirty.strip() else "")
+    return f"{head}, tree {tree[:12]}" + ("" if tree == head_tree else " (dirty)")
 
 
 def versions() -> dict[str, str]:

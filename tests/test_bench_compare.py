@@ -153,3 +153,31 @@ def test_report(measured, tmp_path):
     pytest.importorskip("matplotlib")
     bc.write_outputs(tmp_path / "out", "merged", merged)
     assert (tmp_path / "out" / "merged.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_names_the_commit_and_the_tree_of_the_files_as_they_are(tmp_path, monkeypatch):
+    """A report names the commit and the tree hash of the files as run: a copy of the work tree on
+    a machine whose .git is older (the GPU machine's) still names the commit that holds exactly
+    those files, by its tree; a changed or new file reads as dirty."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    monkeypatch.chdir(tmp_path)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("one\n")
+    git("add", "a.py")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "--short", "HEAD")
+    assert bc.commit() == f"{first}, tree {git('rev-parse', 'HEAD^{tree}')[:12]}"
+    (tmp_path / "b.py").write_text("two\n")  # a file the old .git does not know yet
+    stale = bc.commit()
+    assert stale.startswith(f"{first}, tree ") and stale.endswith(" (dirty)")
+    git("add", "b.py")
+    git("commit", "-qm", "second")
+    assert stale == f"{first}, tree {git('rev-parse', 'HEAD^{tree}')[:12]} (dirty)"  # the tree of the commit that holds the files
+    assert not git("status", "--porcelain")  # the scratch index left the repository's own alone
+    monkeypatch.chdir("/")
+    assert bc.commit() is None
