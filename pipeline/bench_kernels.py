@@ -95,7 +95,7 @@ ABLATION = (
 )
 
 
-def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) -> dict:
+def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, repeats: int = 1) -> dict:
     """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
     weights' L2 prefetch off and on (and the prefetch alone off), with the code predictor's attention inside its q/k/v kernel,
     and with the code predictor in one persistent kernel; kernels per frame; for both
@@ -103,7 +103,9 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) ->
     running, and for the kernel-per-stage path with row blocks off too (every frame over all rows);
     and how near the bf16 codes of the other paths and of the 16-row engine (row blocks on and off)
     are to the 1-row engine's (one sampled utterance, seed 7). Not compiled: with the fused kernels
-    the step runs no torch.compile'd code (the prefill does)."""
+    the step runs no torch.compile'd code (the prefill does). `repeats` > 1: the 1-row times again,
+    an engine built anew each time, the variants taking turns (a difference of a few percent between
+    two variants is only real where their runs do not overlap); the table shows the median."""
     result: dict = {"rows_1": {}, "kernels": {}, "rows_16": {}}
     outputs = {}
     for label, settings, persistent in variants:
@@ -131,6 +133,15 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION) ->
         print(size, label, result["rows_1"][label], result["kernels"][label], flush=True)
         del tts
         torch.cuda.empty_cache()
+    result["rows_1_runs"] = {label: [ms] for label, ms in result["rows_1"].items()}
+    for _ in range(repeats - 1):
+        for label, settings, persistent in variants:
+            with kernel_settings(**settings), kernel_settings(code_predictor, PERSISTENT=persistent):
+                tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, fused=True)
+                result["rows_1_runs"][label].append(step_ms(tts, 1))
+            del tts
+            torch.cuda.empty_cache()
+    result["rows_1"] = {label: statistics.median(runs) for label, runs in result["rows_1_runs"].items()}
     result["bf16_persistent_against_per_stage"] = nearness(outputs[False], outputs[True])
     if ATTEND_LABEL in outputs:
         result["bf16_attention_in_qkv_against_per_stage"] = nearness(outputs[False], outputs[ATTEND_LABEL])
@@ -268,6 +279,9 @@ def ablation_markdown(report: dict) -> str:
              "| fused step, engine of 1 row: ms per frame (kernels per frame) | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
     for label in runs[sizes[0]]["rows_1"]:
         lines.append(f"| {label} | " + " | ".join(f"{runs[s]['rows_1'][label]:.2f} ({runs[s]['kernels'][label]})" for s in sizes) + " |")
+    if any(len(r) > 1 for s in sizes for r in runs[s].get("rows_1_runs", {}).values()):
+        lines += ["", "Each run (median above), engines built anew, the variants taking turns:", ""]
+        lines += [f"- {s}, {label}: " + " / ".join(f"{ms:.2f}" for ms in r) for s in sizes for label, r in runs[s]["rows_1_runs"].items()]
     lines += ["", "| engine of 16 rows, ms per frame at 1 / 8 / 16 rows running | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
     for path in runs[sizes[0]]["rows_16"]:
         lines.append(f"| {path} | " + " | ".join(" / ".join(f"{ms:.2f}" for ms in runs[s]["rows_16"][path].values()) for s in sizes) + " |")
@@ -304,8 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ablation", action="store_true",
                         help="only the fused step with overlapped launches, the L2 prefetch and the persistent code predictor off and on, "
                              "its profile, and the sampling kernel alone")
+    parser.add_argument("--repeats", type=int, default=1, help="with --ablation: time each variant's 1-row step this many times, taking turns")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, not {args.repeats}")
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -319,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.sweep:  # the step with the tiles it started with, against the sweep's
                 variants = ((BEFORE_SWEEP, dict(TUNED=before_sweep), False), *ABLATION)
             for size in args.sizes:
-                report["ablation"][size] = launch_ablation(size, workdir, args.frames, variants)
+                report["ablation"][size] = launch_ablation(size, workdir, args.frames, variants, args.repeats)
                 report["profile"][size] = serial_profile(size, workdir)
                 write_report(args.out, "ablation-" + "-".join(args.sizes), report, ablation_markdown(report))
             return 0

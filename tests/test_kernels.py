@@ -621,3 +621,12 @@ def test_the_code_predictor_in_one_persistent_kernel_equals_its_kernel_per_stage
     layer = talkers[1].code_predictor.model.layers[1]
     assert layer.mlp.down_proj.weight.data_ptr() == kernel.weights["mlp.down_proj.weight"][1].data_ptr()
     assert layer.self_attn.kv_cache.k.data_ptr() == kernel.keys[1].data_ptr()
+
+
+def test_the_kernel_benchmark_refuses_fewer_than_one_repeat(capsys):
+    from pipeline.bench_kernels import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--ablation", "--repeats", "0"])
+    assert exit_info.value.code == 2
+    assert "--repeats must be at least 1, not 0" in capsys.readouterr().err
