@@ -58,10 +58,15 @@ def profile_step(tts: TTS) -> dict:
     return {k: {"kernels": len(v), "ms": sum(v)} for k, v in kinds.items()}
 
 
+def fused_engine(size: str, workdir: Path, rows: int) -> TTS:
+    """The random custom-voice model of `size` in bf16 with the fused step, an engine of `rows` rows."""
+    return random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=rows, fused=True)
+
+
 @contextlib.contextmanager
 def kernel_settings(module=kernels, **values):
-    """Module settings of pipeline.kernels (decode's OVERLAP, L2_PREFETCH_BYTES; code_predictor's
-    PERSISTENT) or of pipeline.engine.decoder (ROW_BLOCKS) set inside the block, restored after it;
+    """Module settings of pipeline.kernels (decode's OVERLAP, L2_PREFETCH_BYTES, ATTEND_IN_QKV;
+    code_predictor's PERSISTENT) or of pipeline.engine.decoder (ROW_BLOCKS) set inside the block, restored after it;
     a step built inside keeps them."""
     saved = {name: getattr(module, name) for name in values}
     for name, value in values.items():
@@ -78,7 +83,7 @@ def serial_profile(size: str, workdir: Path) -> dict:
     while the previous one runs and its measured time would include its wait for it. Not compiled:
     the fused step runs no torch.compile'd code."""
     with kernel_settings(OVERLAP=False):
-        tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, fused=True)
+        tts = fused_engine(size, workdir, 1)
         return profile_step(tts)
 
 
@@ -110,25 +115,25 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, re
     outputs = {}
     for label, settings, persistent in variants:
         with kernel_settings(**settings), kernel_settings(code_predictor, PERSISTENT=persistent):
-            tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, fused=True)
+            tts = fused_engine(size, workdir, 1)
             result["rows_1"][label] = step_ms(tts, 1)
             result["kernels"][label] = kernels_per_frame(tts)
             if not settings:
                 outputs[persistent] = codes_and_audio(tts, False, frames)
                 del tts
-                tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
+                tts = fused_engine(size, workdir, 16)
                 result["rows_16"]["persistent code predictor" if persistent else "kernel per stage (row blocks, the default)"] = occupied_step_ms(tts)
                 if not persistent:
                     outputs["16 rows"] = codes_and_audio(tts, False, frames)
                     del tts
                     with kernel_settings(decoder_module, ROW_BLOCKS=False):
-                        tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
+                        tts = fused_engine(size, workdir, 16)
                     result["rows_16"][ALL_ROWS_LABEL] = occupied_step_ms(tts)
                     outputs["16 rows, all rows"] = codes_and_audio(tts, False, frames)
             if label == ATTEND_LABEL:
                 outputs[label] = codes_and_audio(tts, False, frames)
                 del tts
-                tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, fused=True)
+                tts = fused_engine(size, workdir, 16)
                 result["rows_16"][label] = occupied_step_ms(tts)
         print(size, label, result["rows_1"][label], result["kernels"][label], flush=True)
         del tts
@@ -137,7 +142,7 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, re
     for _ in range(repeats - 1):
         for label, settings, persistent in variants:
             with kernel_settings(**settings), kernel_settings(code_predictor, PERSISTENT=persistent):
-                tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, fused=True)
+                tts = fused_engine(size, workdir, 1)
                 result["rows_1_runs"][label].append(step_ms(tts, 1))
             del tts
             torch.cuda.empty_cache()
