@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -28,7 +29,7 @@ from pipeline.tts import TTS
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
     ("code predictor (one persistent kernel: its 15 steps, sampling included)", ("_code_predictor_kernel",)),
-    ("q/k/v + norms + RoPE + cache write (and the attention, where inside)", ("_qkv_kernel",)),
+    ("q/k/v + norms + RoPE + cache write", ("_qkv_kernel",)),
     ("attention", ("_attention_",)),
     ("projections (o, gate/up, down)", ("_linear_kernel",)),
     ("final norms", ("_rms_norm_kernel",)),
@@ -65,7 +66,7 @@ def fused_engine(size: str, workdir: Path, rows: int) -> TTS:
 
 @contextlib.contextmanager
 def kernel_settings(module=kernels, **values):
-    """Module settings of pipeline.kernels (decode's OVERLAP, L2_PREFETCH_BYTES, ATTEND_IN_QKV;
+    """Module settings of pipeline.kernels (decode's OVERLAP, L2_PREFETCH_BYTES, TUNED, tiles;
     code_predictor's PERSISTENT) or of pipeline.engine.decoder (ROW_BLOCKS) set inside the block, restored after it;
     a step built inside keeps them."""
     saved = {name: getattr(module, name) for name in values}
@@ -89,23 +90,20 @@ def serial_profile(size: str, workdir: Path) -> dict:
 
 BEFORE_SWEEP = "kernel per stage, the tiles before this run's sweep"
 ALL_ROWS_LABEL = "kernel per stage, every frame over all 16 rows (row blocks off)"
-ATTEND_LABEL = "kernel per stage, the code predictor's attention inside its q/k/v kernel"
 # (label, pipeline.kernels.decode settings, the code predictor in one persistent kernel)
 ABLATION = (
     ("kernel per stage, overlapped launches off, prefetch off", dict(OVERLAP=False, L2_PREFETCH_BYTES=0), False),
     ("kernel per stage, overlapped launches on, prefetch off", dict(L2_PREFETCH_BYTES=0), False),
     ("kernel per stage, overlapped launches on, prefetch on (the default)", {}, False),
-    (ATTEND_LABEL, dict(ATTEND_IN_QKV=True), False),
     ("persistent code predictor (the talker's kernels as the default's)", {}, True),
 )
 
 
 def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, repeats: int = 1) -> dict:
     """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
-    weights' L2 prefetch off and on (and the prefetch alone off), with the code predictor's attention inside its q/k/v kernel,
-    and with the code predictor in one persistent kernel; kernels per frame; for both
-    code-predictor paths and the attention inside q/k/v the 16-row engine at 1 / 8 / 16 rows
-    running, and for the kernel-per-stage path with row blocks off too (every frame over all rows);
+    weights' L2 prefetch off and on (and the prefetch alone off), and with the code predictor in one
+    persistent kernel; kernels per frame; for both code-predictor paths the 16-row engine at 1 / 8 /
+    16 rows running, and for the kernel-per-stage path with row blocks off too (every frame over all rows);
     and how near the bf16 codes of the other paths and of the 16-row engine (row blocks on and off)
     are to the 1-row engine's (one sampled utterance, seed 7). Not compiled: with the fused kernels
     the step runs no torch.compile'd code (the prefill does). `repeats` > 1: the 1-row times again,
@@ -130,11 +128,6 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, re
                         tts = fused_engine(size, workdir, 16)
                     result["rows_16"][ALL_ROWS_LABEL] = occupied_step_ms(tts)
                     outputs["16 rows, all rows"] = codes_and_audio(tts, False, frames)
-            if label == ATTEND_LABEL:
-                outputs[label] = codes_and_audio(tts, False, frames)
-                del tts
-                tts = fused_engine(size, workdir, 16)
-                result["rows_16"][label] = occupied_step_ms(tts)
         print(size, label, result["rows_1"][label], result["kernels"][label], flush=True)
         del tts
         torch.cuda.empty_cache()
@@ -148,8 +141,6 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, re
             torch.cuda.empty_cache()
     result["rows_1"] = {label: statistics.median(runs) for label, runs in result["rows_1_runs"].items()}
     result["bf16_persistent_against_per_stage"] = nearness(outputs[False], outputs[True])
-    if ATTEND_LABEL in outputs:
-        result["bf16_attention_in_qkv_against_per_stage"] = nearness(outputs[False], outputs[ATTEND_LABEL])
     result["bf16_16_rows_against_one_row"] = {
         "row blocks": nearness(outputs[False], outputs["16 rows"]), "all rows": nearness(outputs[False], outputs["16 rows, all rows"])}
     return result
@@ -292,12 +283,9 @@ def ablation_markdown(report: dict) -> str:
         lines.append(f"| {path} | " + " | ".join(" / ".join(f"{ms:.2f}" for ms in runs[s]["rows_16"][path].values()) for s in sizes) + " |")
     lines.append("")
     for s in sizes:
-        for key, what in (("bf16_persistent_against_per_stage", "persistent code predictor"),
-                          ("bf16_attention_in_qkv_against_per_stage", "the code predictor's attention inside its q/k/v kernel")):
-            if key in runs[s]:
-                near = runs[s][key]
-                lines.append(f"{s} bf16, sampled (seed 7), {what} against a kernel per stage: {100 * near['equal_code_share']:.1f}% of codes "
-                             f"equal, first differing frame {near['first_differing_frame']}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
+        near = runs[s]["bf16_persistent_against_per_stage"]
+        lines.append(f"{s} bf16, sampled (seed 7), persistent code predictor against a kernel per stage: {100 * near['equal_code_share']:.1f}% "
+                     f"of codes equal, first differing frame {near['first_differing_frame']}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
         for blocks, near in runs[s]["bf16_16_rows_against_one_row"].items():
             lines.append(f"{s} bf16, sampled (seed 7), the 16-row engine ({blocks}) against the 1-row engine: codes "
                          f"{'identical' if near['identical'] else 'NOT identical'}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
@@ -324,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the fused step with overlapped launches, the L2 prefetch and the persistent code predictor off and on, "
                              "its profile, and the sampling kernel alone")
     parser.add_argument("--repeats", type=int, default=1, help="with --ablation: time each variant's 1-row step this many times, taking turns")
+    parser.add_argument("--step-sweep", action="store_true",
+                        help="only tune the tiles in the step: each weight shape's alternatives timed in the whole decode step (1 row)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -333,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
+        if args.step_sweep:
+            report = {**report_header("pipeline.bench_kernels", argv), "step_sweep": {}}
+            for size in args.sizes:
+                report["step_sweep"][size] = step_sweep(size, workdir)
+                write_report(args.out, "step-sweep-" + "-".join(args.sizes), report, step_sweep_markdown(report))
+            return 0
         before_sweep = dict(kernels.TUNED)
         swept = sweep(args.sizes) if args.sweep else {}
         if args.ablation:
@@ -375,6 +371,85 @@ def sweep_candidates(kind: str, k: int) -> list[Tiles]:
     else:
         shapes = [(block_n, block_k, 4, split) for block_n in (16, 32) for block_k in (128, 256, 512) for split in (1, 2, 4, 8)]
     return [Tiles(n, block_k, warps, 3, split) for n, block_k, warps, split in shapes if k % (split * block_k) == 0]
+
+
+# ---- tile sweep in the step ---------------------------------------------------------------------
+
+# Where the step's kernels run: shapes in this order (q/k/v, gate/up, o and down, then the heads),
+# the deepest reduction first within a kind. A kernel's time alone does not tell its time in the
+# step (the next kernel launches while it runs and needs room on the SMs beside it; its weights
+# come from L2 or HBM depending on its neighbours), so `step_sweep` times the whole step.
+STEP_SWEEP_ORDER = {"qkv": 0, "linear2": 1, "linear1": 2}
+STEP_SWEEP_GAIN = 0.004  # an alternative is kept only if the step is faster by more than this share (repeat noise ~0.3%)
+
+
+def step_tile_alternatives(kind: str, k: int, current: Tiles) -> list[Tiles]:
+    """Tiles that differ from `current` in one field (warps, pipeline stages, K splits, depth per
+    iteration, columns per program; the q/k/v kernel's columns are a head's), and a narrower column
+    block with twice the splits (the same programs); only those that split K into whole tiles."""
+    r = dataclasses.replace
+    found = [r(current, num_warps=w) for w in (2, 4, 8)] + [r(current, num_stages=s) for s in (1, 2, 3, 4)]
+    found += [r(current, split_k=s) for s in (1, 2, 4, 8, 16)] + [r(current, block_k=b) for b in (64, 128, 256, 512)]
+    if kind != "qkv":
+        found += [r(current, block_n=b) for b in (16, 32, 64)]
+        if current.block_n == 32:
+            found.append(r(current, block_n=16, split_k=2 * current.split_k))
+    unique = []
+    for t in found:
+        whole = t.split_k == 1 or k % (t.split_k * t.block_k) == 0  # as decode._check_split asks
+        if t != current and t not in unique and whole and t.block_k <= 2 * k:
+            unique.append(t)
+    return unique
+
+
+def step_sweep(size: str, workdir: Path) -> dict:
+    """Greedy tuning of the tiles in the decode step of `size` (engine of 1 row, bf16): for each weight
+    shape the step launches, in STEP_SWEEP_ORDER, every `step_tile_alternatives` tile timed in the
+    whole step (an engine built anew for each), the fastest kept where it beats the best so far by
+    STEP_SWEEP_GAIN; the tiles kept stay in pipeline.kernels.decode.TUNED for the rest of the run.
+    Returns the step's ms before and after, the tiles kept and every timing."""
+    used: set[tuple[str, int, int]] = set()
+    pick = kernels.tiles
+
+    def recording(kind: str, n: int, k: int, dtype: torch.dtype) -> Tiles:
+        used.add((kind, n, k))
+        return pick(kind, n, k, dtype)
+
+    def timed() -> float:
+        tts = fused_engine(size, workdir, 1)
+        ms = step_ms(tts, 1)
+        del tts
+        torch.cuda.empty_cache()
+        return ms
+
+    with kernel_settings(tiles=recording):
+        base = timed()
+    best, kept, log = base, {}, []
+    for key in sorted(used, key=lambda key: (STEP_SWEEP_ORDER.get(key[0], len(STEP_SWEEP_ORDER)), -key[2])):
+        kind, n, k = key
+        current = pick(kind, n, k, torch.bfloat16)
+        winner = current
+        for alternative in step_tile_alternatives(kind, k, current):
+            kernels.TUNED[key] = alternative
+            ms = timed()
+            log.append({"shape": list(key), "tiles": dataclasses.asdict(alternative), "ms": ms})
+            print(size, key, alternative, f"{ms:.4f}", flush=True)
+            if ms < best * (1 - STEP_SWEEP_GAIN):
+                best, winner = ms, alternative
+        kernels.TUNED[key] = winner
+        if winner != current:
+            kept[",".join(map(str, key))] = {"before": dataclasses.asdict(current), "after": dataclasses.asdict(winner), "ms": best}
+    return {"base_ms": base, "final_ms": timed(), "kept": kept, "log": log}
+
+
+def step_sweep_markdown(report: dict) -> str:
+    lines = [f"# In-step tile sweep — {report['gpu']}, {report['date']}", "", f"`{report['command']}`", ""]
+    for size, result in report["step_sweep"].items():
+        lines += [f"## {size}: {result['base_ms']:.3f} -> {result['final_ms']:.3f} ms per frame (engine of 1 row)", "",
+                  "| shape (kernel, N, K) | tiles before | tiles kept | step ms when kept |", "|---|---|---|---|"]
+        lines += [f"| {shape} | {kept['before']} | {kept['after']} | {kept['ms']:.3f} |" for shape, kept in result["kept"].items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def graph_us(fn, launches: int = 20) -> float:

@@ -180,16 +180,11 @@ def ptx(fn, types, constants):
     return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 on = sys.argv[1] == "on"
-pointers = dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "next_ptr"], "*bf16")
+pointers = dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "res_ptr", "out_ptr", "next_ptr"], "*bf16")
 linear = ptx(kernels._linear_kernel, {**pointers, "stride_x": "i32", "partial_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "eps": "fp32",
                                       "next_size": "i32"},
-             dict(N=3072, K=1024, HAS_NORM=True, STORE_NORMED=False, HAS_BIAS=False, MODE=2, IEEE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256,
-                  SPLIT_K=1, OVERLAP=on, NEXT_LINES=8 if on else 0, LINE=64))
-qkv_types = {name: "*bf16" for name in kernels._qkv_kernel.arg_names if name.endswith("_ptr")}
-qkv_types.update(partial_ptr="*fp32", lock_ptr="*i32", group_ptr="*i32", pos_ptr="*i64",
-                 **dict.fromkeys(["M", "L", "cache_row", "cache_head", "cache_pos", "next_size"], "i32"), **dict.fromkeys(["eps", "head_eps", "scale"], "fp32"))
-qkv = ptx(kernels._qkv_kernel, qkv_types, dict(K=1024, HEADS=16, KV_HEADS=8, HEAD_DIM=128, IEEE=False, BLOCK_M=16, BLOCK_K=128, SPLIT_K=4, ATTEND=True,
-                                               BLOCK_S=16, TOKENS=4, OVERLAP=on, NEXT_LINES=8 if on else 0, LINE=64))
+             dict(N=3072, K=1024, HAS_NORM=True, STORE_NORMED=False, MODE=2, IEEE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
+                  OVERLAP=on, NEXT_LINES=8 if on else 0, LINE=64))
 settings = {"do_sample_ptr": "*i1", "temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seed_ptr": "*i64",
             "frame_ptr": "*i64", "draws_per_frame": "i32", "V": "i32", "H": "i32", "logits_ptr": "*fp32"}
 code = ptx(_code_kernel, {**settings, "first_draw": "i32", "codes_ptr": "*i64", "column": "i32", "tables_ptr": "*bf16",
@@ -215,11 +210,9 @@ code_predictor = ptx(persistent, types, dict(
     GU_BN=32, GU_BK=256, GU_SPLIT=1, D_BN=32, D_BK=128, D_SPLIT=8, HD_BN=16, HD_BK=256, HD_SPLIT=1, GRID_SYNC=True, OVERLAP=on))
 barrier = {"arrive": re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", code_predictor) is not None,
            "wait": re.search(r"(ld|atom)[.][.a-z]*acquire", code_predictor) is not None}
-# the q/k/v kernel that attends: each kv group's arrival counter (split-K's and the group's: acq_rel adds)
-qkv_arrivals = len(re.findall(r"atom[.][.a-z]*acq_rel[.a-z0-9]*[.]add", qkv))
 print(json.dumps({**{name: {word: word in text for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")}
                      for name, text in (("linear", linear), ("sample", sample), ("code", code), ("token", token),
-                                        ("code_predictor", code_predictor), ("qkv", qkv))}, "barrier": barrier, "qkv_arrivals": qkv_arrivals}))
+                                        ("code_predictor", code_predictor))}, "barrier": barrier}))
 """
 
 
@@ -248,9 +241,6 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     # arrive, acquiring atomics to wait), which the interpreter's one program skips
     assert found["code_predictor"] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
     assert found["barrier"] == {"arrive": True, "wait": True}
-    # the q/k/v kernel with the attention of a one-block cache (the code predictor's): both arrival counters
-    assert found["qkv"] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": on}
-    assert found["qkv_arrivals"] >= 2
 
 
 @pytest.mark.parametrize("rows, k, programs", [(4096, 1024, 128), (1024, 3072, 256), (6144, 1024, 96), (12288, 2048, 192), (2048, 6144, 256),
@@ -376,51 +366,6 @@ def test_attention_split_in_chunks_equals_one_program_per_head():
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
     assert torch.equal(run(16), split)
     assert not workspace.locks.any()
-
-
-@pytest.mark.parametrize("kv_heads", [2, 1])
-@torch.inference_mode()
-def test_attention_in_the_qkv_kernel_equals_the_attention_kernel(kv_heads, monkeypatch):
-    """A cache of one attention block (the code predictor's): the q/k/v kernel's last head of each
-    kv group attends for the group (query groups of 2 and 4 heads), whole and split-K, over 10 tokens
-    (two a row: tokens side by side in passes of 4, the last pass part-empty) and then one a row
-    further on: the attention kernel's output, the same q and cache, the counters back at zero;
-    and the layer stack with it on equals the stack with it off."""
-    import pipeline.kernels.decode as decode
-    from pipeline.kernels import fused_decode
-    from pipeline.kernels.decode import Tiles, Workspace, attention, qkv_rope
-
-    rows, cache = 5, 16
-    model, twin = twins(kv_heads=kv_heads)
-    for stack in (model, twin):
-        stack.setup_caches(rows, cache)
-    generator = torch.Generator().manual_seed(11)
-    for layer, twin_layer in zip(model.layers, twin.layers):
-        for tensor, twin_tensor in zip((layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v), (twin_layer.self_attn.kv_cache.k, twin_layer.self_attn.kv_cache.v)):
-            tensor.copy_(torch.randn(tensor.shape, generator=generator))
-            twin_tensor.copy_(tensor)
-    attn, twin_attn = model.layers[0].self_attn, twin.layers[0].self_attn
-    assert decode.attends_in_qkv(attn)
-    for length, start in ((2, torch.zeros(rows, dtype=torch.long)), (1, torch.tensor([2, 5, 9, 15, 3]))):
-        positions = (start[:, None] + torch.arange(length)).reshape(-1).to(DEVICE)
-        h = torch.randn(rows * length, 64, generator=generator).to(DEVICE)
-        for split_k in (1, 4):
-            workspace = Workspace()
-            q, twin_q = (torch.empty(rows * length, 4, 16, device=DEVICE) for _ in range(2))
-            got, expected = (torch.empty(rows * length, 64, device=DEVICE) for _ in range(2))
-            qkv_rope(model.layers[0], h, positions, length, model.rope_cos, model.rope_sin, q, workspace, Tiles(block_k=16, split_k=split_k),
-                     attended=got)
-            qkv_rope(twin.layers[0], h, positions, length, twin.rope_cos, twin.rope_sin, twin_q, Workspace(), Tiles(block_k=16, split_k=split_k))
-            attention(twin_attn, twin_q, positions, length, expected, Workspace())
-            assert torch.equal(q, twin_q) and torch.equal(caches(model), caches(twin))
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            assert not workspace.group_arrivals.any() and not workspace.locks.any()
-    x = torch.randn(rows, 1, 64, generator=generator).to(DEVICE)
-    step = torch.tensor([[7], [8], [1], [15], [4]], device=DEVICE)
-    expected = fused_decode(twin, x, step)
-    monkeypatch.setattr(decode, "ATTEND_IN_QKV", True)
-    torch.testing.assert_close(fused_decode(model, x, step), expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(caches(model), caches(twin))
 
 
 @torch.inference_mode()
@@ -630,3 +575,25 @@ def test_the_kernel_benchmark_refuses_fewer_than_one_repeat(capsys):
         main(["--ablation", "--repeats", "0"])
     assert exit_info.value.code == 2
     assert "--repeats must be at least 1, not 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, k, current", [("qkv", 1024, dict(block_k=128, num_warps=8, num_stages=1, split_k=4)),
+                                              ("linear1", 3072, dict(block_n=32, block_k=128, num_stages=2, split_k=8)),
+                                              ("linear2", 1024, dict(block_n=32))])
+def test_the_step_sweep_tries_one_change_at_a_time_and_only_whole_splits(kind, k, current):
+    """The in-step sweep's candidates for a weight shape: each differs from the current tiles in one
+    field (or a half-width column block with twice the splits: the same programs), none repeats or
+    is the current, each splits K into whole tiles (what the kernels accept), and the q/k/v kernel's
+    columns stay a head's."""
+    from pipeline.bench_kernels import step_tile_alternatives
+    from pipeline.kernels.decode import Tiles, _check_split
+
+    now = Tiles(**current)
+    found = step_tile_alternatives(kind, k, now)
+    assert len(found) == len(set(found)) and now not in found and len(found) >= 8
+    for t in found:
+        _check_split(k, t)  # raises for an uneven split
+        changed = {f for f in ("block_n", "block_k", "num_warps", "num_stages", "split_k") if getattr(t, f) != getattr(now, f)}
+        assert len(changed) == 1 or (changed == {"block_n", "split_k"} and t.block_n * 2 == now.block_n and t.split_k == 2 * now.split_k)
+        assert kind != "qkv" or t.block_n == now.block_n
+    assert any(t.split_k != now.split_k for t in found) and any(t.num_stages != now.num_stages for t in found)

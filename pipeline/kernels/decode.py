@@ -9,10 +9,6 @@
 4. post-attention RMSNorm in the prologue of the gate/up projection, SiLU(gate) * up in its epilogue;
 5. down projection with the residual add in the epilogue.
 
-Opt-in (`ATTEND_IN_QKV`, not yet timed on a GPU): for caches of one attention block (the code
-predictor's), kernel 2 runs inside kernel 1, whose last program of each kv group to write its head
-attends for the group.
-
 Numerics are the reference's: RMSNorm variance and RoPE in float32; every intermediate that the
 unfused layer rounds to the activation dtype (projection outputs, normed activations, the
 rotation's two products, the softmax probabilities) is rounded here at the same point. Sums run
@@ -57,12 +53,6 @@ ATTENTION_BLOCK = 128  # cache positions per iteration of the attention loop
 # 1,000 positions, one program per head 9.8 / 38.8 us (16 programs loop over the whole context).
 ATTENTION_CHUNKS: dict[int, int] = {2048: 64}
 OVERLAP = True  # overlapped launches where the GPU has them (`overlapped`); off: every kernel waits for the previous to end
-# Attention inside the q/k/v kernel for caches of one attention block (the code predictor's 16
-# positions): the last of a kv group's heads to be written attends for the group's query heads, one
-# kernel fewer a layer (500 a frame for the 0.6B instead of 575). Off until timed on a GPU
-# (`python -m pipeline.bench_kernels --ablation` times both).
-ATTEND_IN_QKV = False
-TOKENS_AT_ONCE = 4  # tokens a group's attention takes per pass: [4, positions, head_dim] tiles of keys and values
 # At most this many bytes of the next matmul's weights are asked into L2 ahead of time: under half
 # the L2 of an H100 / H200 (50 MB), so lines are not pushed out before they are read.
 L2_PREFETCH_BYTES = 24 << 20
@@ -267,73 +257,21 @@ def _linear_epilogue(acc, up, bias, HAS_BIAS: tl.constexpr, residual, out_ptr, o
 
 @triton.jit
 def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-                partial_ptr, lock_ptr, out_ptr, group_ptr, M, K: tl.constexpr, L, eps, head_eps, scale, cache_row, cache_head, cache_pos,
+                partial_ptr, lock_ptr, M, K: tl.constexpr, L, eps, head_eps, cache_row, cache_head, cache_pos,
                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ATTEND: tl.constexpr, BLOCK_S: tl.constexpr,
-                TOKENS: tl.constexpr, next_ptr, next_size, OVERLAP: tl.constexpr, NEXT_LINES: tl.constexpr, LINE: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                next_ptr, next_size, OVERLAP: tl.constexpr, NEXT_LINES: tl.constexpr, LINE: tl.constexpr):
     """One head's projection of RMSNorm(x): program (block of rows, head), heads ordered q, k, v.
 
     q and k heads: RMSNorm over the head, then RoPE at each row's position; q goes to q [M, HEADS,
     HEAD_DIM], k and v into the cache at (row m // L, position). RoPE rotates the head's first half
-    against its second, so the two halves are accumulated apart. Program (row block, head, K split).
-    ATTEND (a cache of at most BLOCK_S positions): then the attention into out [M, HEADS * HEAD_DIM]
-    (`_attend_group`), which the attention kernel computes otherwise."""
+    against its second, so the two halves are accumulated apart. Program (row block, head, K split)."""
     pid_m, head, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     wait_for_inputs(OVERLAP)
     first, second = _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K, eps, HEAD_DIM, IEEE, BLOCK_M, BLOCK_K, SPLIT_K, pid_m, head, pid_k)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + head) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
-    written = _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, partial_ptr,
-                          lock_ptr, M, L, head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM, BLOCK_M, SPLIT_K, pid_m, head,
-                          pid_k)
-    if ATTEND:
-        if written:
-            _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, group_ptr, M, L, scale, cache_row, cache_head, pid_m, head,
-                          HEADS, KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_S, TOKENS)
-
-
-@triton.jit
-def _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, group_ptr, M, L, scale, cache_row, cache_head, pid_m, head,
-                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
-                  TOKENS: tl.constexpr):
-    """Called by the program that wrote head `head` of row block pid_m: the last of the kv group's
-    GROUP + 2 heads (its query heads, its key, its value) to get here computes the group's query
-    heads' attention for the block's tokens, every input of it written (the split-K pattern one
-    level up: an arrival counter, no program waits for another). Resets the group's counter."""
-    GROUP: tl.constexpr = HEADS // KV_HEADS
-    group = tl.where(head < HEADS, head // GROUP, tl.where(head < HEADS + KV_HEADS, head - HEADS, head - HEADS - KV_HEADS))
-    tl.debug_barrier()  # every thread's q, k or v is written before the program announces it
-    counter = group_ptr + pid_m * KV_HEADS + group
-    if tl.atomic_add(counter, 1, sem="acq_rel") == GROUP + 1:
-        tl.atomic_xchg(counter, 0)
-        for first in range(pid_m * BLOCK_M, tl.minimum(M, (pid_m + 1) * BLOCK_M), TOKENS):
-            _attend_tokens(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, M, L, scale, cache_row, cache_head, first, group,
-                           HEADS, GROUP, HEAD_DIM, BLOCK_S, TOKENS)
-
-
-@triton.jit
-def _attend_tokens(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, M, L, scale, cache_row, cache_head, first, group,
-                   HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, TOKENS: tl.constexpr):
-    """Tokens first..first + TOKENS - 1 (those below M), kv group `group`'s query heads: `_attend`'s
-    one-block arithmetic (scores, the softmax's maximum and sum, probabilities rounded to the
-    activation dtype, their weighted values) with the tokens side by side: keys and values read
-    once for the group's heads. Loads bypass L1: other programs of this kernel wrote them."""
-    dt = out_ptr.dtype.element_ty
-    t = first + tl.arange(0, TOKENS)
-    t_mask = t < M
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, HEAD_DIM)
-    count = tl.load(pos_ptr + t, mask=t_mask, other=0, cache_modifier=".cg") + 1
-    visible = t_mask[:, None] & (s[None, :] < count[:, None])
-    offs = ((t // L) * cache_row + group * cache_head)[:, None, None] + s[None, :, None] * HEAD_DIM + d[None, None, :]
-    keys = tl.load(k_cache_ptr + offs, mask=visible[:, :, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-    values = tl.load(v_cache_ptr + offs, mask=visible[:, :, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-    for j in tl.static_range(GROUP):
-        rows = (t * HEADS + group * GROUP + j)[:, None] * HEAD_DIM + d[None, :]
-        q = tl.load(q_ptr + rows, mask=t_mask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-        scores = tl.where(s[None, :] < count[:, None], tl.sum(keys * q[:, None, :], axis=2) * scale, float("-inf"))
-        top = tl.max(scores, axis=1)
-        p = _round(tl.exp(scores - top[:, None]) / tl.sum(tl.exp(scores - top[:, None]), axis=1)[:, None], dt)
-        tl.store(out_ptr + rows, tl.sum(p[:, :, None] * values, axis=1).to(dt), mask=t_mask[:, None])
+    _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, lock_ptr, M, L,
+                head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM, BLOCK_M, SPLIT_K, pid_m, head, pid_k)
 
 
 @triton.jit
@@ -353,10 +291,9 @@ def _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K: tl.constexpr, eps, HEAD_DIM: tl.cons
 def _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, lock_ptr, M, L,
                 head_eps, cache_row, cache_head, cache_pos, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, head, pid_k):
-    """The head's split sums added (split-K: by the last of its programs), then its epilogue; returns
-    whether this program wrote the head. The epilogue's positions, norm weights and RoPE rows are
-    loaded first: their round trips to L2 overlap the split sums' (every program of a split head
-    loads them, the last one uses them)."""
+    """The head's split sums added (split-K: by the last of its programs), then its epilogue. The
+    epilogue's positions, norm weights and RoPE rows are loaded first: their round trips to L2
+    overlap the split sums' (every program of a split head loads them, the last one uses them)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     tables = _qkv_tables(q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, offs_m, m_mask, head, HEADS, HEAD_DIM)
@@ -368,8 +305,6 @@ def _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr
     else:
         _qkv_epilogue(first, second, tables, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head, L, head_eps, cache_row, cache_head, cache_pos,
                       HEADS, KV_HEADS, HEAD_DIM)
-        last = tl.full([], 1, tl.int1)
-    return last
 
 
 @triton.jit
@@ -568,7 +503,6 @@ class Workspace:
         self.partial: torch.Tensor | None = None
         self.locks: torch.Tensor | None = None
         self.softmax_stats: torch.Tensor | None = None
-        self.group_arrivals: torch.Tensor | None = None
         self.replaced: list[torch.Tensor] = []
 
     def get(self, tiles: int, split_k: int, tile_floats: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -582,11 +516,6 @@ class Workspace:
         self.softmax_stats = self._room(self.softmax_stats, floats, torch.float32, device)
         return self.softmax_stats
 
-    def arrivals(self, groups: int, device: torch.device) -> torch.Tensor:
-        """Arrival counters of the q/k/v kernel's kv groups (`_attend_group`), at zero between kernels."""
-        self.group_arrivals = self._room(self.group_arrivals, groups, torch.int32, device)
-        return self.group_arrivals
-
     def _room(self, buffer: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """`buffer` if it holds `numel` elements, else a larger zeroed one (counters start at zero), `buffer` kept alive."""
         if buffer is not None and buffer.numel() >= numel:
@@ -596,22 +525,24 @@ class Workspace:
         return torch.zeros(numel, dtype=dtype, device=device)
 
 
-# Measured on an H200 (`python -m pipeline.bench_kernels --sweep`, 2026-11-23), bf16, one row, per
-# (kernel, N, K); 16 x 256 tiles, 4 warps, 3 stages elsewhere. Split-K wins wherever a weight has
-# few column blocks (q/k/v: 32 heads; o and down: 1,024-2,048 columns). The choice depends on the
-# weight's shape only, never on the batch. (Those sweeps replayed one weight, which stayed in L2;
-# the sweep now reads every launch's weight from HBM, as the step does, and its winners were no
-# faster in the step: docs/BENCHMARKS.md, fifth session.)
+# Tiles per (kernel, N, K), bf16; 16 x 256 tiles, 4 warps, 3 stages elsewhere. Split-K wins wherever a
+# weight has few column blocks (q/k/v: 32 heads; o and down: 1,024-2,048 columns). The choice depends
+# on the weight's shape only, never on the batch. First chosen by timing each kernel alone
+# (`python -m pipeline.bench_kernels --sweep`, H200, 2026-11-23), then retuned in the whole step
+# (`--step-sweep`, H200, 2026-11-26: a kernel's time in the step depends on its neighbours, which
+# launch while it runs and share its SMs): the 0.6B's q/k/v without pipeline stages and its down
+# projection with two, the 1.7B's q/k/v and down split 8 ways; 0.6B 3.53 -> 3.39 ms per frame, 1.7B
+# 4.21 -> 4.03 (docs/BENCHMARKS.md, seventh session).
 TUNED: dict[tuple[str, int, int], Tiles] = {
-    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, split_k=4),  # 6.3 us against 8.6 unsplit
-    ("qkv", 4096, 2048): Tiles(block_k=128, num_warps=8, split_k=4),  # 10.6 us
-    ("linear1", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o-proj, 0.6B: 4.3 us
-    ("linear0", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # the 1.7B's code-predictor input projection: the o-proj's shape
-    ("linear1", 1024, 3072): Tiles(block_n=32, block_k=128, split_k=8),  # down, 0.6B: 5.1 us
-    ("linear2", 3072, 1024): Tiles(block_n=32),  # gate/up, 0.6B: 6.8 us
-    ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o-proj, 1.7B: 5.1 us
-    ("linear1", 2048, 6144): Tiles(block_n=32, split_k=4),  # down, 1.7B: 8.0 us
-    ("linear2", 6144, 2048): Tiles(block_n=32),  # gate/up, 1.7B: 16.5 us
+    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, num_stages=1, split_k=4),
+    ("qkv", 4096, 2048): Tiles(block_k=128, num_warps=8, split_k=8),
+    ("linear1", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o projection, 0.6B and every code predictor
+    ("linear0", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # the 1.7B's code-predictor input projection: the o projection's shape
+    ("linear1", 1024, 3072): Tiles(block_n=32, block_k=128, num_stages=2, split_k=8),  # down, 0.6B and every code predictor
+    ("linear2", 3072, 1024): Tiles(block_n=32),  # gate/up, 0.6B and every code predictor
+    ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o projection, 1.7B
+    ("linear1", 2048, 6144): Tiles(block_n=32, split_k=8),  # down, 1.7B
+    ("linear2", 6144, 2048): Tiles(block_n=32),  # gate/up, 1.7B
 }
 
 
@@ -688,35 +619,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: 
 
 
 def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, length: int, cos: torch.Tensor, sin: torch.Tensor,
-             q: torch.Tensor, workspace: Workspace, shape: Tiles | None = None, following: torch.Tensor | None = None,
-             attended: torch.Tensor | None = None) -> None:
+             q: torch.Tensor, workspace: Workspace, shape: Tiles | None = None, following: torch.Tensor | None = None) -> None:
     """q/k/v of RMSNorm(h) with q/k norms and RoPE; q into `q` [M, heads, head_dim], k and v into the
-    layer's cache. `following`: the weight of the next matmul, asked into L2 ahead of it.
-    `attended` [M, heads * head_dim] (a cache of one attention block, `attends_in_qkv`): receives the
-    attention too, which `attention` computes otherwise."""
+    layer's cache. `following`: the weight of the next matmul, asked into L2 ahead of it."""
     attn = layer.self_attn
     cache = attn.kv_cache
     m, hidden = h.shape
     t = shape or tiles("qkv", attn.qkv_proj.weight.shape[0], hidden, h.dtype)
     _check_split(hidden, t)
-    if attended is not None and not attends_in_qkv(attn):
-        raise ValueError(f"attention in the q/k/v kernel needs a cache of at most {ATTENTION_BLOCK} positions, not {cache.k.shape[2]}")
     grid = (triton.cdiv(m, BLOCK_M), attn.heads + 2 * attn.kv_heads, t.split_k)
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * attn.head_dim // 2, h.device)
-    groups = workspace.arrivals(grid[0] * attn.kv_heads, h.device) if attended is not None else locks
     _qkv_kernel[grid](
         h, layer.input_layernorm.weight, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions,
-        q, cache.k, cache.v, partial, locks, attended if attended is not None else q, groups, m, hidden, length, layer.input_layernorm.eps,
-        attn.q_norm.eps, attn.head_dim**-0.5, *cache.k.stride()[:3],
+        q, cache.k, cache.v, partial, locks, m, hidden, length, layer.input_layernorm.eps, attn.q_norm.eps, *cache.k.stride()[:3],
         HEADS=attn.heads, KV_HEADS=attn.kv_heads, HEAD_DIM=attn.head_dim, IEEE=h.dtype == torch.float32, BLOCK_M=BLOCK_M,
-        BLOCK_K=t.block_k, SPLIT_K=t.split_k, ATTEND=attended is not None, BLOCK_S=triton.next_power_of_2(cache.k.shape[2]),
-        TOKENS=TOKENS_AT_ONCE, num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(h.device),
+        BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(h.device),
         **_prefetch(following, grid[0] * grid[1] * grid[2], attn.qkv_proj.weight))
-
-
-def attends_in_qkv(attn: torch.nn.Module) -> bool:
-    """Whether the layer's attention can run inside its q/k/v kernel: a cache of one attention block."""
-    return attn.kv_cache.k.shape[2] <= ATTENTION_BLOCK and attn.kv_cache.k.shape[2] not in ATTENTION_CHUNKS
 
 
 def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, length: int, out: torch.Tensor, workspace: Workspace,
@@ -764,11 +682,9 @@ def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, h: torch.Tensor, posi
     m = x.shape[0]
     heads, head_dim = attn.heads, attn.head_dim
     q = torch.empty(m, heads, head_dim, dtype=x.dtype, device=x.device)
+    qkv_rope(layer, x, positions, length, cos, sin, q, workspace, following=attn.o_proj.weight)
     attended = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
-    inline = ATTEND_IN_QKV and attends_in_qkv(attn)
-    qkv_rope(layer, x, positions, length, cos, sin, q, workspace, following=attn.o_proj.weight, attended=attended if inline else None)
-    if not inline:
-        attention(attn, q, positions, length, attended, workspace)
+    attention(attn, q, positions, length, attended, workspace)
     linear(attended, attn.o_proj.weight, h, workspace, mode=1, residual=x, following=mlp.gate_up_proj.weight)
     gated = torch.empty(m, mlp.intermediate, dtype=x.dtype, device=x.device)
     linear(h, mlp.gate_up_proj.weight, gated, workspace, norm=layer.post_attention_layernorm, mode=2, following=mlp.down_proj.weight)
