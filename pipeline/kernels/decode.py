@@ -530,19 +530,20 @@ class Workspace:
 # on the weight's shape only, never on the batch. First chosen by timing each kernel alone
 # (`python -m pipeline.bench_kernels --sweep`, H200, 2026-11-23), then retuned in the whole step
 # (`--step-sweep`, H200, 2026-11-26: a kernel's time in the step depends on its neighbours, which
-# launch while it runs and share its SMs): the 0.6B's q/k/v without pipeline stages and its down
-# projection with two, the 1.7B's q/k/v and down split 8 ways; 0.6B 3.53 -> 3.39 ms per frame, 1.7B
-# 4.21 -> 4.03 (docs/BENCHMARKS.md, seventh session).
+# launch while it runs and share its SMs), two rounds: 0.6B 3.54 -> 3.25 ms per frame, 1.7B 4.28 ->
+# 3.96 (docs/BENCHMARKS.md, seventh session).
 TUNED: dict[tuple[str, int, int], Tiles] = {
-    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, num_stages=1, split_k=4),
+    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, num_stages=1, split_k=8),
     ("qkv", 4096, 2048): Tiles(block_k=128, num_warps=8, split_k=8),
     ("linear1", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o projection, 0.6B and every code predictor
     ("linear0", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # the 1.7B's code-predictor input projection: the o projection's shape
     ("linear1", 1024, 3072): Tiles(block_n=32, block_k=128, num_stages=2, split_k=8),  # down, 0.6B and every code predictor
-    ("linear2", 3072, 1024): Tiles(block_n=32),  # gate/up, 0.6B and every code predictor
+    ("linear2", 3072, 1024): Tiles(block_n=32, num_stages=4),  # gate/up, 0.6B and every code predictor
     ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o projection, 1.7B
     ("linear1", 2048, 6144): Tiles(block_n=32, split_k=8),  # down, 1.7B
     ("linear2", 6144, 2048): Tiles(block_n=32),  # gate/up, 1.7B
+    ("linear0", 2048, 1024): Tiles(block_n=32),  # the code predictor's heads
+    ("linear0", 3072, 1024): Tiles(num_stages=4),  # the 0.6B's talker head
 }
 
 
