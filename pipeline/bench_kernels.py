@@ -5,7 +5,9 @@ the decode step's ms per frame and kernels per frame, unfused (the modules' step
 and fused (pipeline.kernels), in an engine of 1 row and of 16 rows at 1 / 8 / 16 rows running;
 where the fused frame's time goes (kernel time by kind, and the launch gaps between kernels);
 and how near the two are numerically: in float32 the codes must be identical, in bf16 the share
-of equal codes and the waveform error over one utterance.
+of equal codes and the waveform error over one utterance. `--ablation` times the fused step's
+launch options and paths; `--sweep` times each kernel's tiles alone, `--step-sweep` in the whole
+step (the tiles in pipeline.kernels.decode.TUNED come from it).
 """
 from __future__ import annotations
 
