@@ -243,6 +243,54 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     assert found["barrier"] == {"arrive": True, "wait": True}
 
 
+FLOAT32_CUBIN = """
+import json, re, subprocess, sys, tempfile
+from pathlib import Path
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+import pipeline.kernels.decode as kernels
+
+tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+types = {**dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "next_ptr", "partial_ptr"], "*fp32"),
+         "lock_ptr": "*i32", "stride_x": "i32", "M": "i32", "eps": "fp32", "next_size": "i32"}
+found = {}
+for mode, n, k in json.loads(sys.argv[1]):
+    t = kernels.tiles(f"linear{mode}", n, k, torch.float32)
+    signature = {name: types.get(name, "constexpr") for name in kernels._linear_kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}  # as torch's tensors are
+    source = ASTSource(fn=kernels._linear_kernel, signature=signature, attrs=aligned, constexprs=dict(
+        N=n, K=k, HAS_NORM=mode != 1, STORE_NORMED=False, HAS_BIAS=False, MODE=mode, IEEE=True, BLOCK_M=16, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, SPLIT_K=t.split_k, OVERLAP=True, NEXT_LINES=0, LINE=32))
+    kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+    cubin = Path(tempfile.mkdtemp()) / "k.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    found[f"{mode},{n},{k}"] = {"shared": kernel.metadata.shared, "stack": int(re.search(r"STACK:(\\d+)", usage).group(1))}
+print(json.dumps(found))
+"""
+
+
+def test_float32_tiles_fit_a_hopper_sm_without_spills():
+    """The float32 tiles (wide column blocks: float32 runs for parity, on the GPU too) compiled for
+    sm_90 at the real sizes' shapes: shared memory within an H100's / H200's 227 KB a block and no
+    register spills (a stack frame)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    shapes = [(0, 2048, 1024), (0, 3072, 2048), (1, 1024, 3072), (1, 2048, 6144), (2, 3072, 1024), (2, 6144, 2048)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", FLOAT32_CUBIN, json.dumps(shapes)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found) == len(shapes)
+    for shape, usage in found.items():
+        assert usage["shared"] <= 227 * 1024 and usage["stack"] == 0, (shape, usage)
+
+
 @pytest.mark.parametrize("rows, k, programs", [(4096, 1024, 128), (1024, 3072, 256), (6144, 1024, 96), (12288, 2048, 192), (2048, 6144, 256),
                                                 (40, 64, 1)])
 def test_the_next_weights_prefetch_covers_it_within_the_l2_budget(rows, k, programs):
