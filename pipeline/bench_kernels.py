@@ -66,6 +66,15 @@ def fused_engine(size: str, workdir: Path, rows: int) -> TTS:
     return random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=rows, fused=True)
 
 
+def one_row_step_ms(size: str, workdir: Path) -> float:
+    """`step_ms` of a 1-row fused engine built for this measurement alone (freed after it)."""
+    tts = fused_engine(size, workdir, 1)
+    ms = step_ms(tts, 1)
+    del tts
+    torch.cuda.empty_cache()
+    return ms
+
+
 @contextlib.contextmanager
 def kernel_settings(module=kernels, **values):
     """Module settings of pipeline.kernels (decode's OVERLAP, L2_PREFETCH_BYTES, TUNED, tiles;
@@ -137,10 +146,7 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, re
     for _ in range(repeats - 1):
         for label, settings, persistent in variants:
             with kernel_settings(**settings), kernel_settings(code_predictor, PERSISTENT=persistent):
-                tts = fused_engine(size, workdir, 1)
-                result["rows_1_runs"][label].append(step_ms(tts, 1))
-            del tts
-            torch.cuda.empty_cache()
+                result["rows_1_runs"][label].append(one_row_step_ms(size, workdir))
     result["rows_1"] = {label: statistics.median(runs) for label, runs in result["rows_1_runs"].items()}
     result["bf16_persistent_against_per_stage"] = nearness(outputs[False], outputs[True])
     result["bf16_16_rows_against_one_row"] = {
@@ -398,8 +404,7 @@ def step_tile_alternatives(kind: str, k: int, current: Tiles) -> list[Tiles]:
             found.append(r(current, block_n=16, split_k=2 * current.split_k))
     unique = []
     for t in found:
-        whole = t.split_k == 1 or k % (t.split_k * t.block_k) == 0  # as decode._check_split asks
-        if t != current and t not in unique and whole and t.block_k <= 2 * k:
+        if t != current and t not in unique and kernels.splits_whole(k, t) and t.block_k <= 2 * k:
             unique.append(t)
     return unique
 
@@ -417,15 +422,8 @@ def step_sweep(size: str, workdir: Path) -> dict:
         used.add((kind, n, k))
         return pick(kind, n, k, dtype)
 
-    def timed() -> float:
-        tts = fused_engine(size, workdir, 1)
-        ms = step_ms(tts, 1)
-        del tts
-        torch.cuda.empty_cache()
-        return ms
-
     with kernel_settings(tiles=recording):
-        base = timed()
+        base = one_row_step_ms(size, workdir)
     best, kept, log = base, {}, []
     for key in sorted(used, key=lambda key: (STEP_SWEEP_ORDER.get(key[0], len(STEP_SWEEP_ORDER)), -key[2])):
         kind, n, k = key
@@ -433,7 +431,7 @@ def step_sweep(size: str, workdir: Path) -> dict:
         winner = current
         for alternative in step_tile_alternatives(kind, k, current):
             kernels.TUNED[key] = alternative
-            ms = timed()
+            ms = one_row_step_ms(size, workdir)
             log.append({"shape": list(key), "tiles": dataclasses.asdict(alternative), "ms": ms})
             print(size, key, alternative, f"{ms:.4f}", flush=True)
             if ms < best * (1 - STEP_SWEEP_GAIN):
@@ -441,7 +439,7 @@ def step_sweep(size: str, workdir: Path) -> dict:
         kernels.TUNED[key] = winner
         if winner != current:
             kept[",".join(map(str, key))] = {"before": dataclasses.asdict(current), "after": dataclasses.asdict(winner), "ms": best}
-    return {"base_ms": base, "final_ms": timed(), "kept": kept, "log": log}
+    return {"base_ms": base, "final_ms": one_row_step_ms(size, workdir), "kept": kept, "log": log}
 
 
 def step_sweep_markdown(report: dict) -> str:

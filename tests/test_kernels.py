@@ -166,18 +166,25 @@ def test_overlapped_launches_in_a_cuda_graph_give_the_same_bits(monkeypatch, dty
     assert hidden.abs().sum() > 0
 
 
-HOPPER_PTX = """
-import json, re, sys
+SM90_COMPILE = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
+
+def compiled(fn, types, constants, num_warps=4, num_stages=3):
+    \"\"\"`fn` compiled for sm_90; arguments typed by `types` (the rest constexpr), pointers 16-byte aligned as torch's tensors are.\"\"\"
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
+    return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+"""
+
+HOPPER_PTX = SM90_COMPILE + """
+import json, re, sys
 import pipeline.kernels.decode as kernels
 from pipeline.kernels.sampling import _code_kernel, _next_token_kernel, _sample_kernel
 
 def ptx(fn, types, constants):
-    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
-    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
-    return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    return compiled(fn, types, constants).asm["ptx"]
 
 on = sys.argv[1] == "on"
 pointers = dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "res_ptr", "out_ptr", "next_ptr"], "*bf16")
@@ -243,12 +250,10 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     assert found["barrier"] == {"arrive": True, "wait": True}
 
 
-FLOAT32_CUBIN = """
+FLOAT32_CUBIN = SM90_COMPILE + """
 import json, re, subprocess, sys, tempfile
 from pathlib import Path
 import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
 import pipeline.kernels.decode as kernels
 
 tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -257,12 +262,9 @@ types = {**dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "bias_ptr"
 found = {}
 for mode, n, k in json.loads(sys.argv[1]):
     t = kernels.tiles(f"linear{mode}", n, k, torch.float32)
-    signature = {name: types.get(name, "constexpr") for name in kernels._linear_kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}  # as torch's tensors are
-    source = ASTSource(fn=kernels._linear_kernel, signature=signature, attrs=aligned, constexprs=dict(
+    kernel = compiled(kernels._linear_kernel, types, dict(
         N=n, K=k, HAS_NORM=mode != 1, STORE_NORMED=False, HAS_BIAS=False, MODE=mode, IEEE=True, BLOCK_M=16, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, SPLIT_K=t.split_k, OVERLAP=True, NEXT_LINES=0, LINE=32))
-    kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+        BLOCK_K=t.block_k, SPLIT_K=t.split_k, OVERLAP=True, NEXT_LINES=0, LINE=32), t.num_warps, t.num_stages)
     cubin = Path(tempfile.mkdtemp()) / "k.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout

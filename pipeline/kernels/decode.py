@@ -594,9 +594,13 @@ def prefetch_shares(numel: int, element_size: int, programs: int) -> tuple[int, 
     return size, triton.next_power_of_2(triton.cdiv(triton.cdiv(size, line), programs)) if size else 0, line
 
 
+def splits_whole(k: int, t: Tiles) -> bool:
+    """Whether `t` splits a reduction of k columns into parts of whole tiles (one part masks its tail: any K)."""
+    return t.split_k == 1 or k % (t.split_k * t.block_k) == 0
+
+
 def _check_split(k: int, t: Tiles) -> None:
-    """A split reduction needs whole tiles in every part (one part masks its tail: any K)."""
-    if t.split_k > 1 and k % (t.split_k * t.block_k):
+    if not splits_whole(k, t):
         raise ValueError(f"split-K: {k} columns do not split into {t.split_k} parts of whole {t.block_k}-column tiles")
 
 
