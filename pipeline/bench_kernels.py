@@ -309,6 +309,14 @@ def ablation_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def weight_shape(text: str) -> tuple[str, int, int]:
+    """`--shapes`' KIND,N,K (a key of pipeline.kernels.decode.TUNED)."""
+    kind, n, k = text.split(",") if text.count(",") == 2 else ("", "", "")
+    if kind not in ("qkv", "linear0", "linear1", "linear2") or not (n.isdigit() and k.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not KIND,N,K with KIND one of qkv, linear0, linear1, linear2 (e.g. linear2,6144,2048)")
+    return kind, int(n), int(k)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.bench_kernels")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -322,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="with --ablation: time each variant's 1-row step this many times, taking turns")
     parser.add_argument("--step-sweep", action="store_true",
                         help="only tune the tiles in the step: each weight shape's alternatives timed in the whole decode step (1 row)")
+    parser.add_argument("--shapes", nargs="+", type=weight_shape, metavar="KIND,N,K",
+                        help="with --step-sweep: only these weight shapes (e.g. linear2,6144,2048); default every shape the step launches")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
+    args.shapes = set(args.shapes) if args.shapes else None
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, not {args.repeats}")
     if not torch.cuda.is_available():
@@ -334,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.step_sweep:
             report = {**report_header("pipeline.bench_kernels", argv), "step_sweep": {}}
             for size in args.sizes:
-                report["step_sweep"][size] = step_sweep(size, workdir)
+                report["step_sweep"][size] = step_sweep(size, workdir, args.shapes)
                 write_report(args.out, "step-sweep-" + "-".join(args.sizes), report, step_sweep_markdown(report))
             return 0
         before_sweep = dict(kernels.TUNED)
@@ -409,9 +420,9 @@ def step_tile_alternatives(kind: str, k: int, current: Tiles) -> list[Tiles]:
     return unique
 
 
-def step_sweep(size: str, workdir: Path) -> dict:
+def step_sweep(size: str, workdir: Path, shapes: set[tuple[str, int, int]] | None = None) -> dict:
     """Greedy tuning of the tiles in the decode step of `size` (engine of 1 row, bf16): for each weight
-    shape the step launches, in STEP_SWEEP_ORDER, every `step_tile_alternatives` tile timed in the
+    shape the step launches (of `shapes` only, if given), in STEP_SWEEP_ORDER, every `step_tile_alternatives` tile timed in the
     whole step (an engine built anew for each), the fastest kept where it beats the best so far by
     STEP_SWEEP_GAIN; the tiles kept stay in pipeline.kernels.decode.TUNED for the rest of the run.
     Returns the step's ms before and after, the tiles kept and every timing."""
@@ -425,7 +436,7 @@ def step_sweep(size: str, workdir: Path) -> dict:
     with kernel_settings(tiles=recording):
         base = one_row_step_ms(size, workdir)
     best, kept, log = base, {}, []
-    for key in sorted(used, key=lambda key: (STEP_SWEEP_ORDER.get(key[0], len(STEP_SWEEP_ORDER)), -key[2])):
+    for key in sorted(used if shapes is None else used & shapes, key=lambda key: (STEP_SWEEP_ORDER.get(key[0], len(STEP_SWEEP_ORDER)), -key[2])):
         kind, n, k = key
         current = pick(kind, n, k, torch.bfloat16)
         winner = current

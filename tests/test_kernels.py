@@ -647,3 +647,16 @@ def test_the_step_sweep_tries_one_change_at_a_time_and_only_whole_splits(kind, k
         assert len(changed) == 1 or (changed == {"block_n", "split_k"} and t.block_n * 2 == now.block_n and t.split_k == 2 * now.split_k)
         assert kind != "qkv" or t.block_n == now.block_n
     assert any(t.split_k != now.split_k for t in found) and any(t.num_stages != now.num_stages for t in found)
+
+
+def test_the_step_sweep_takes_named_weight_shapes_and_refuses_malformed_ones(capsys):
+    """`--shapes` names keys of the tiles table; anything else is a usage error naming the bad value."""
+    from pipeline.bench_kernels import main, weight_shape
+
+    assert weight_shape("linear2,6144,2048") == ("linear2", 6144, 2048)
+    assert weight_shape("qkv,4096,1024") == ("qkv", 4096, 1024)
+    for bad in ("linear3,1,2", "qkv,4096", "linear1,20x,3"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--step-sweep", "--shapes", bad])
+        assert exit_info.value.code == 2
+        assert f"{bad!r} is not KIND,N,K" in capsys.readouterr().err

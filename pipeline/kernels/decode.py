@@ -152,26 +152,27 @@ def _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, ot
 
 
 @triton.jit
-def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, arrivals, SPLIT_K: tl.constexpr, TWO: tl.constexpr):
+def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, arrivals, rows_mask, SPLIT_K: tl.constexpr, TWO: tl.constexpr):
     """Split-K: each of the `arrivals` (<= SPLIT_K) programs of a tile stores its partial sums (a,
-    and b if TWO); the last to arrive adds all of them in split order (the same order whichever
-    program is last: deterministic) and gets (sums, True); the others get (a, b, False). Resets
-    the tile's lock."""
+    and b if TWO) of the rows in `rows_mask` (the batch's: a lone row's tile of 16 moves 1/16 of the
+    bytes); the last to arrive adds all of them in split order (the same order whichever program
+    is last: deterministic) and gets (sums, True); the others get (a, b, False). Resets the tile's lock."""
     size: tl.constexpr = a.shape[0] * a.shape[1]
     offs = tl.arange(0, a.shape[0])[:, None] * a.shape[1] + tl.arange(0, a.shape[1])[None, :]
+    mask = rows_mask[:, None]
     tile_ptr = partial_ptr + tile * (SPLIT_K * 2 * size)
-    tl.store(tile_ptr + split * 2 * size + offs, a)
+    tl.store(tile_ptr + split * 2 * size + offs, a, mask=mask)
     if TWO:
-        tl.store(tile_ptr + split * 2 * size + size + offs, b)
+        tl.store(tile_ptr + split * 2 * size + size + offs, b, mask=mask)
     tl.debug_barrier()  # every thread's partial is written before the program announces it
     last = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == arrivals - 1
     if last:
         a = tl.zeros(a.shape, dtype=tl.float32)
         b = tl.zeros(b.shape, dtype=tl.float32)
         for k in range(0, arrivals):
-            a += tl.load(tile_ptr + k * 2 * size + offs, cache_modifier=".cg")
+            a += tl.load(tile_ptr + k * 2 * size + offs, mask=mask, other=0.0, cache_modifier=".cg")
             if TWO:
-                b += tl.load(tile_ptr + k * 2 * size + size + offs, cache_modifier=".cg")
+                b += tl.load(tile_ptr + k * 2 * size + size + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(lock_ptr + tile, 0)
     return a, b, last
 
@@ -232,7 +233,7 @@ def _linear_finish(acc, up, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr, 
     if MODE == 1:
         residual = tl.load(res_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
     if SPLIT_K > 1:
-        acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * col_blocks + pid_n, pid_k, SPLIT_K, SPLIT_K, MODE == 2)
+        acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * col_blocks + pid_n, pid_k, SPLIT_K, m_mask, SPLIT_K, MODE == 2)
         if last:
             _linear_epilogue(acc, up, bias, HAS_BIAS, residual, out_ptr, out_offs, out_mask, MODE, dt)
     else:
@@ -298,7 +299,8 @@ def _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr
     m_mask = offs_m < M
     tables = _qkv_tables(q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, offs_m, m_mask, head, HEADS, HEAD_DIM)
     if SPLIT_K > 1:
-        first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * (HEADS + 2 * KV_HEADS) + head, pid_k, SPLIT_K, SPLIT_K, True)
+        first, second, last = _sum_splits(first, second, partial_ptr, lock_ptr, pid_m * (HEADS + 2 * KV_HEADS) + head, pid_k, SPLIT_K, m_mask,
+                                          SPLIT_K, True)
         if last:
             _qkv_epilogue(first, second, tables, q_ptr, k_cache_ptr, v_cache_ptr, offs_m, m_mask, head, L, head_eps, cache_row, cache_head,
                           cache_pos, HEADS, KV_HEADS, HEAD_DIM)
@@ -460,7 +462,7 @@ def _attention_chunks_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr
         d = tl.arange(0, HEAD_DIM)
         values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
         acc = tl.sum(p[:, None] * values, axis=0)[None, :]
-        acc, _, last = _sum_splits(acc, acc, partial_ptr, lock_ptr, m * HEADS + head, chunk, active, CHUNKS, False)
+        acc, _, last = _sum_splits(acc, acc, partial_ptr, lock_ptr, m * HEADS + head, chunk, active, tl.full([1], True, tl.int1), CHUNKS, False)
         if last:
             tl.store(out_ptr + (m * HEADS + head) * HEAD_DIM + d[None, :], acc.to(dt))
 
