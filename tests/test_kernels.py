@@ -217,6 +217,12 @@ code_predictor = ptx(persistent, types, dict(
     GU_BN=32, GU_BK=256, GU_SPLIT=1, D_BN=32, D_BK=128, D_SPLIT=8, HD_BN=16, HD_BK=256, HD_SPLIT=1, GRID_SYNC=True, OVERLAP=on))
 barrier = {"arrive": re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", code_predictor) is not None,
            "wait": re.search(r"(ld|atom)[.][.a-z]*acquire", code_predictor) is not None}
+split = ptx(kernels._attention_split_kernel, {**dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16"),
+                                              "stats_ptr": "*fp32", "partial_ptr": "*fp32", "pos_ptr": "*i64", "lock_ptr": "*i32",
+                                              "arrival_ptr": "*i32", "L": "i32", "scale": "fp32", "cache_row": "i32", "cache_head": "i32"},
+            dict(HEADS=16, GROUP=2, HEAD_DIM=128, CHUNK=64, CHUNKS=32, CHUNKS_P2=32, PASSES=3, OVERLAP=on))
+barrier["attention"] = (re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", split) is not None
+                        and re.search(r"(ld|atom)[.][.a-z]*acquire", split) is not None and "ld.global.cg" in split)
 print(json.dumps({**{name: {word: word in text for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")}
                      for name, text in (("linear", linear), ("sample", sample), ("code", code), ("token", token),
                                         ("code_predictor", code_predictor))}, "barrier": barrier}))
@@ -230,7 +236,8 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     kernel and releases the next (griddepcontrol) and asks L2 for the next weights
     (prefetch.global.L2); the sampling kernels (the plain one, the code predictor's draw and the
     talker's end of frame) wait and release; with both off, none of it. The persistent code
-    predictor too, and its grid barrier in either case."""
+    predictor too, and its grid barrier in either case; and the split attention's wait inside one
+    launch (its chunks' statistics released, acquired, then read past L1)."""
     import json
     import os
     import subprocess
@@ -247,7 +254,7 @@ def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_pref
     # the persistent code predictor (the 1.7B's shapes), and its grid barrier (a release add to
     # arrive, acquiring atomics to wait), which the interpreter's one program skips
     assert found["code_predictor"] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
-    assert found["barrier"] == {"arrive": True, "wait": True}
+    assert found["barrier"] == {"arrive": True, "wait": True, "attention": True}
 
 
 FLOAT32_CUBIN = SM90_COMPILE + """
@@ -415,7 +422,37 @@ def test_attention_split_in_chunks_equals_one_program_per_head():
     whole, split = run(0), run(16)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
     assert torch.equal(run(16), split)
-    assert not workspace.locks.any()
+    assert not workspace.locks.any() and not workspace.stats_arrivals.any()
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="one launch needs a GPU: Triton's interpreter runs one program after another")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_split_attention_in_one_launch_equals_its_two_passes(dtype):
+    """The chunks exchanging their softmax statistics inside one launch give the bits of the two
+    passes launched one after the other, over repeated launches (the counters left at zero), for
+    16 rows at positions that use 1 to all 32 chunks of a 2,048-position cache (the talker's)."""
+    from pipeline.kernels.decode import Workspace, attention
+
+    torch.manual_seed(0)
+    model = Transformer(256, 512, 1, 4, 2, 64, 1e-6, 1e6).to(DEVICE, dtype).eval()
+    model.setup_caches(16, 2048)
+    attn = model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(8)
+    for cache in (attn.kv_cache.k, attn.kv_cache.v):
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    workspace = Workspace()
+    for positions in ([0, 5, 63, 64, 100, 200, 500, 700, 1000, 1023, 1024, 1500, 2000, 2046, 2047, 300],
+                      [2047, 1, 64, 65, 129, 9, 999, 1200, 40, 1800, 600, 7, 1111, 222, 333, 444]):
+        q = torch.randn(16, 4, 64, generator=generator).to(DEVICE, dtype)
+        at = torch.tensor(positions, device=DEVICE)
+        outs = []
+        for one_launch in (True, False, True):
+            out = torch.empty(16, 256, device=DEVICE, dtype=dtype)
+            attention(attn, q, at, 1, out, workspace, chunk=64, one_launch=one_launch)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[1])
+        assert not workspace.locks.any() and not workspace.stats_arrivals.any()
 
 
 @torch.inference_mode()

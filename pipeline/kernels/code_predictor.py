@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from pipeline.kernels.decode import (ATTENTION_BLOCK, BLOCK_M, Workspace, _attend, _check_split, _linear_finish, _linear_sums, _qkv_finish,
-                                     _qkv_sums, launch_options, tiles, wait_for_inputs)
+                                     _qkv_sums, arrive_and_wait, launch_options, tiles, wait_for_inputs)
 from pipeline.kernels.sampling import CANDIDATES, FrameText, _row_block, draw_code
 
 if TYPE_CHECKING:
@@ -57,10 +57,7 @@ def _grid_barrier(barrier_ptr, target, GRID_SYNC: tl.constexpr):
     thread a program polls (a scalar atomic), not all of them: on an H100, 3.11 against 3.21 ms a
     frame's code predictor with every thread polling an acquire load."""
     if GRID_SYNC:
-        tl.debug_barrier()  # every thread's stores precede the arrival
-        tl.atomic_add(barrier_ptr, 1, sem="release")
-        while tl.atomic_add(barrier_ptr, 0, sem="acquire") < target:
-            pass
+        arrive_and_wait(barrier_ptr, target)
 
 
 @triton.jit

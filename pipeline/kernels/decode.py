@@ -4,7 +4,8 @@
    RoPE and the write of k and v into the cache slot (one program per head: RoPE's halves and
    the head's norm stay in the program);
 2. attention of one query head over its row's cache up to the query's position (not the whole
-   cache: a row reads only what it has written);
+   cache: a row reads only what it has written); a long cache (the talker's) split in chunks of
+   positions, a program each, whose softmax statistics the chunks exchange within the launch;
 3. output projection with the residual add in the epilogue;
 4. post-attention RMSNorm in the prologue of the gate/up projection, SiLU(gate) * up in its epilogue;
 5. down projection with the residual add in the epilogue.
@@ -409,10 +410,9 @@ def _attend(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr, L, scale, cache_r
 
 
 @triton.jit
-def _chunk_scores(q_ptr, k_cache_ptr, count, L, scale, cache_row, cache_head,
+def _chunk_scores(q_ptr, k_cache_ptr, m, head, chunk, count, L, scale, cache_row, cache_head,
                   HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
-    """Scores of program (row m, query head, chunk) over its chunk of cache positions, -inf past the query's position."""
-    m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Scores of row m's query head over chunk `chunk` of the cache positions, -inf past the query's position."""
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (m * HEADS + head) * HEAD_DIM + d).to(tl.float32)
     base = (m // L) * cache_row + (head // GROUP) * cache_head
@@ -421,50 +421,73 @@ def _chunk_scores(q_ptr, k_cache_ptr, count, L, scale, cache_row, cache_head,
 
 
 @triton.jit
-def _attention_stats_kernel(q_ptr, k_cache_ptr, pos_ptr, stats_ptr, L, scale, cache_row, cache_head,
-                            HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                            OVERLAP: tl.constexpr):
-    """Split attention, first pass: each chunk's maximum score and its sum of exp(score - maximum).
-    Chunks past the query's position do nothing (a row's cache is read up to its own position only)."""
-    wait_for_inputs(OVERLAP)
-    m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    count = tl.load(pos_ptr + m) + 1
-    if chunk * CHUNK < count:
-        s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
-        top = tl.max(s, axis=0)  # finite: the chunk's first position is at or before the query's
-        total = tl.sum(tl.where(offs_s < count, tl.exp(s - top), 0.0), axis=0)
-        slot = ((m * HEADS + head) * CHUNKS + chunk) * 2
-        tl.store(stats_ptr + slot, top)
-        tl.store(stats_ptr + slot + 1, total)
+def arrive_and_wait(counter_ptr, target):
+    """Count this program in at `counter_ptr` (its stores released to the whole GPU first), then
+    wait until `target` programs are in (their stores acquired). One thread polls (a scalar
+    atomic); the program's other threads wait for it at the barrier after."""
+    tl.debug_barrier()  # every thread's stores precede the arrival
+    tl.atomic_add(counter_ptr, 1, sem="release")
+    while tl.atomic_add(counter_ptr, 0, sem="acquire") < target:
+        pass
+    tl.debug_barrier()
 
 
 @triton.jit
-def _attention_chunks_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr, partial_ptr, lock_ptr, out_ptr, L, scale, cache_row, cache_head,
-                             HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                             CHUNKS_P2: tl.constexpr, OVERLAP: tl.constexpr):
-    """Split attention, second pass, over the chunks that hold positions up to the query's: the
-    softmax's maximum and sum from every such chunk's (in chunk order), this chunk's probabilities
-    rounded as the reference's, their weighted values; the last chunk to finish adds the chunks'
-    values in chunk order."""
+def _attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, L, scale, cache_row,
+                            cache_head, HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+                            CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, PASSES: tl.constexpr, OVERLAP: tl.constexpr):
+    """Attention over a cache split in chunks of CHUNK positions: program (chunk, query head, row m),
+    chunks past the query's position doing nothing (a row's cache is read up to its own position only).
+
+    First pass: the chunk's maximum score and its sum of exp(score - maximum). Second: the softmax's
+    maximum and sum from every chunk's (in chunk order), the chunk's probabilities rounded as the
+    reference's, their weighted values; the last chunk to finish adds the chunks' values in chunk order.
+
+    PASSES 3: both in one launch, each program waiting between them until every chunk of its head
+    has stored its statistics (`arrive_and_wait`). The chunks are the grid's first dimension, so a
+    head's programs are launched together, after every earlier head's: the programs a waiting one
+    waits for are already running or done. 1 or 2: the first or the second pass alone, in two launches
+    (Triton's interpreter runs one program after another: a program cannot wait for a later one)."""
     wait_for_inputs(OVERLAP)
-    m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk, head, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(pos_ptr + m) + 1
     active = tl.cdiv(count, CHUNK)
     if chunk < active:
-        dt = out_ptr.dtype.element_ty
-        s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
-        c = tl.arange(0, CHUNKS_P2)
-        slots = ((m * HEADS + head) * CHUNKS + c) * 2
-        tops = tl.load(stats_ptr + slots, mask=c < active, other=float("-inf"))
-        top = tl.max(tops, axis=0)
-        total = tl.sum(tl.load(stats_ptr + slots + 1, mask=c < active, other=0.0) * tl.exp(tops - top), axis=0)
-        p = _round(tl.where(offs_s < count, tl.exp(s - top), 0.0) / total, dt)
-        d = tl.arange(0, HEAD_DIM)
-        values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
-        acc = tl.sum(p[:, None] * values, axis=0)[None, :]
-        acc, _, last = _sum_splits(acc, acc, partial_ptr, lock_ptr, m * HEADS + head, chunk, active, tl.full([1], True, tl.int1), CHUNKS, False)
-        if last:
-            tl.store(out_ptr + (m * HEADS + head) * HEAD_DIM + d[None, :], acc.to(dt))
+        s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, m, head, chunk, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
+        group = m * HEADS + head
+        if PASSES != 2:
+            top = tl.max(s, axis=0)  # finite: the chunk's first position is at or before the query's
+            total = tl.sum(tl.where(offs_s < count, tl.exp(s - top), 0.0), axis=0)
+            slot = (group * CHUNKS + chunk) * 2
+            tl.store(stats_ptr + slot, top)
+            tl.store(stats_ptr + slot + 1, total)
+        if PASSES == 3:
+            arrive_and_wait(arrival_ptr + group, active)
+        if PASSES != 1:
+            _chunk_values(s, offs_s, base, count, active, v_cache_ptr, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
+                          HEAD_DIM, CHUNKS, CHUNKS_P2, PASSES == 3)
+
+
+@triton.jit
+def _chunk_values(s, offs_s, base, count, active, v_cache_ptr, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
+                  HEAD_DIM: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, RESET_ARRIVALS: tl.constexpr):
+    """The second pass of `_attention_split_kernel` for one chunk. The statistics are read past L1
+    (.cg): in one launch another program wrote them after this SM may have cached the lines."""
+    dt = out_ptr.dtype.element_ty
+    c = tl.arange(0, CHUNKS_P2)
+    slots = (group * CHUNKS + c) * 2
+    tops = tl.load(stats_ptr + slots, mask=c < active, other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(tops, axis=0)
+    total = tl.sum(tl.load(stats_ptr + slots + 1, mask=c < active, other=0.0, cache_modifier=".cg") * tl.exp(tops - top), axis=0)
+    p = _round(tl.where(offs_s < count, tl.exp(s - top), 0.0) / total, dt)
+    d = tl.arange(0, HEAD_DIM)
+    values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
+    acc = tl.sum(p[:, None] * values, axis=0)[None, :]
+    acc, _, last = _sum_splits(acc, acc, partial_ptr, lock_ptr, group, chunk, active, tl.full([1], True, tl.int1), CHUNKS, False)
+    if last:
+        if RESET_ARRIVALS:  # every chunk has passed its wait: it arrived here after it
+            tl.atomic_xchg(arrival_ptr + group, 0)
+        tl.store(out_ptr + group * HEAD_DIM + d[None, :], acc.to(dt))
 
 
 @triton.jit
@@ -505,6 +528,7 @@ class Workspace:
         self.partial: torch.Tensor | None = None
         self.locks: torch.Tensor | None = None
         self.softmax_stats: torch.Tensor | None = None
+        self.stats_arrivals: torch.Tensor | None = None
         self.replaced: list[torch.Tensor] = []
 
     def get(self, tiles: int, split_k: int, tile_floats: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -517,6 +541,11 @@ class Workspace:
         """Split attention's per-chunk softmax maximum and sum."""
         self.softmax_stats = self._room(self.softmax_stats, floats, torch.float32, device)
         return self.softmax_stats
+
+    def arrivals(self, heads: int, device: torch.device) -> torch.Tensor:
+        """Split attention's per-head counters of chunks whose statistics are stored (each left at zero)."""
+        self.stats_arrivals = self._room(self.stats_arrivals, heads, torch.int32, device)
+        return self.stats_arrivals
 
     def _room(self, buffer: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """`buffer` if it holds `numel` elements, else a larger zeroed one (counters start at zero), `buffer` kept alive."""
@@ -649,26 +678,28 @@ def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, l
 
 
 def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, length: int, out: torch.Tensor, workspace: Workspace,
-              block_s: int | None = None, num_warps: int | None = None, chunk: int | None = None) -> None:
+              block_s: int | None = None, num_warps: int | None = None, chunk: int | None = None, one_launch: bool | None = None) -> None:
     """out [M, heads * head_dim]: each query head over its row's cache, positions 0..its own.
 
-    `chunk`: split the cache in chunks of that many positions, one program each (two kernels: the
-    softmax's statistics, then the values), where one program per head would leave SMs idle;
-    else one program per head loops over blocks of `block_s` positions."""
+    `chunk`: split the cache in chunks of that many positions, one program each (two passes: the
+    softmax's statistics, then the values; in one launch on a GPU, in two with `one_launch` off and
+    in Triton's interpreter), where one program per head would leave SMs idle; else one program
+    per head loops over blocks of `block_s` positions."""
     cache = attn.kv_cache
     scale, strides = attn.head_dim**-0.5, cache.k.stride()[:2]
     shape = dict(HEADS=attn.heads, GROUP=attn.heads // attn.kv_heads, HEAD_DIM=attn.head_dim)
     chunk = chunk if chunk is not None else ATTENTION_CHUNKS.get(cache.k.shape[2])
     if chunk:
         chunks = triton.cdiv(cache.k.shape[2], chunk)
-        grid = (q.shape[0], attn.heads, chunks)
-        partial, locks = workspace.get(grid[0] * grid[1], chunks, attn.head_dim, q.device)
-        stats = workspace.stats(grid[0] * grid[1] * chunks * 2, q.device)
-        _attention_stats_kernel[grid](q, cache.k, positions, stats, length, scale, *strides, **shape, CHUNK=chunk, CHUNKS=chunks,
-                                      num_warps=num_warps or 4, **launch_options(q.device))
-        _attention_chunks_kernel[grid](q, cache.k, cache.v, positions, stats, partial, locks, out, length, scale, *strides, **shape,
-                                       CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=num_warps or 4,
-                                       **launch_options(q.device))
+        grid = (chunks, attn.heads, q.shape[0])
+        heads = q.shape[0] * attn.heads
+        partial, locks = workspace.get(heads, chunks, attn.head_dim, q.device)
+        stats, arrivals = workspace.stats(heads * chunks * 2, q.device), workspace.arrivals(heads, q.device)
+        one_launch = q.is_cuda if one_launch is None else one_launch
+        for passes in (3,) if one_launch else (1, 2):
+            _attention_split_kernel[grid](q, cache.k, cache.v, positions, stats, partial, locks, arrivals, out, length, scale, *strides, **shape,
+                                          CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), PASSES=passes,
+                                          num_warps=num_warps or 4, **launch_options(q.device))
         return
     # Blocks as long as the cache up to 128 positions: a code-predictor step (16 positions) is one
     # block. Measured on an H200 at 200 positions: 128 x 8 warps 9.7 us, 64 x 4 warps 14.1 us.
