@@ -1,7 +1,7 @@
 """The code predictor's whole frame in one persistent kernel: 15 steps, each its input projection
 (where the talker is wider), five decoder layers, the final norm and head, and the draw of one
 codebook with the next step's input; after the last, the talker's input (`CodePredictorKernel`).
-One launch a frame instead of 405 (0.6B; 420 for the 1.7B): the step's kernels per frame go from 575 (590) to 171.
+One launch a frame instead of 405 (0.6B; 420 for the 1.7B): the step's kernels per frame go from 547 (562) to 143.
 
 Its programs, one per SM, walk through the frame's stages together: each takes its share of a
 stage's tiles (the same tiles, the same arithmetic as the kernel-per-stage path in `decode` and
