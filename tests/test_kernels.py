@@ -317,24 +317,26 @@ def test_the_next_weights_prefetch_covers_it_within_the_l2_budget(rows, k, progr
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("rows", [5, 21])
 @torch.inference_mode()
-def test_split_k_equals_the_unsplit_kernel_and_repeats_exactly(mode):
+def test_split_k_equals_the_unsplit_kernel_and_repeats_exactly(mode, rows):
     """Split-K (programs sharing a tile's reduction, the last to finish adding the partials in split
-    order): the same sums as one program per tile, bit-identical from one launch to the next (the
-    arrival counters reset themselves)."""
+    order; partials of the batch's rows only): the same sums as one program per tile, bit-identical
+    from one launch to the next (the arrival counters reset themselves), for a part-filled row block
+    and for a full one and a part-filled one."""
     from pipeline.kernels.decode import Tiles, Workspace, linear
     from pipeline.layers import RMSNorm
 
     generator = torch.Generator().manual_seed(3)
     n, k = 48, 64
-    x = torch.randn(5, k, generator=generator).to(DEVICE)
+    x = torch.randn(rows, k, generator=generator).to(DEVICE)
     weight = torch.randn(2 * n if mode == 2 else n, k, generator=generator).to(DEVICE)
-    residual = torch.randn(5, n, generator=generator).to(DEVICE)
+    residual = torch.randn(rows, n, generator=generator).to(DEVICE)
     norm = RMSNorm(k, 1e-6).to(DEVICE) if mode == 2 else None
     workspace = Workspace()
 
     def run(split_k: int) -> torch.Tensor:
-        out = torch.empty(5, n, device=DEVICE)
+        out = torch.empty(rows, n, device=DEVICE)
         return linear(x, weight, out, workspace, norm=norm, mode=mode, residual=residual if mode == 1 else None,
                       shape=Tiles(block_k=16, split_k=split_k))
 
@@ -653,6 +655,29 @@ def test_the_code_predictor_in_one_persistent_kernel_equals_its_kernel_per_stage
     layer = talkers[1].code_predictor.model.layers[1]
     assert layer.mlp.down_proj.weight.data_ptr() == kernel.weights["mlp.down_proj.weight"][1].data_ptr()
     assert layer.self_attn.kv_cache.k.data_ptr() == kernel.keys[1].data_ptr()
+
+
+@torch.inference_mode()
+def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoints):
+    """A code predictor narrower than the talker (the 1.7B's layout) takes its next inputs from the
+    code tables projected once when the engine is built: each row, bit for bit, what projecting that
+    code's embedding alone in the step's matmul kernel gives. As wide as the talker (the 0.6B's),
+    the tables are the code tables themselves."""
+    from pipeline.kernels import fused_linear
+
+    talker = random_talker(tiny_checkpoints["custom_voice"], None)
+    pad = torch.zeros(talker.config.hidden_size, device=DEVICE)
+    decoder = BatchDecoder(talker, pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True, persistent=False)
+    project = talker.code_predictor.small_to_mtp_projection
+    tables = decoder.code_tables
+    assert isinstance(project, torch.nn.Linear) and decoder.next_tables.shape == (tables.shape[0], project.out_features)
+    for row in (0, 1, 255, 256, tables.shape[0] // 2, tables.shape[0] - 1):  # either side of a chunk's edge
+        alone = torch.empty(1, 1, project.out_features, device=DEVICE)
+        fused_linear(talker.code_predictor.model, project, tables[None, row : row + 1], alone)
+        assert torch.equal(decoder.next_tables[row], alone[0, 0]), row
+    wide = BatchDecoder(random_talker(tiny_checkpoints["custom_voice"], 64), pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True,
+                        persistent=False)
+    assert wide.next_tables is wide.code_tables
 
 
 def test_the_kernel_benchmark_refuses_fewer_than_one_repeat(capsys):

@@ -9,7 +9,7 @@ whole frame for the whole batch: the 15 code-predictor steps with their sampling
 input, the talker step and the sampling of the next codebook-0 token. With the fused kernels on
 CUDA (`_frame_in_kernels`) the glue between them (code embeddings, the talker's input, logit
 processors, noise, the commit of each row's state) runs inside the sampling kernels: 79 kernels a
-frame fewer than in PyTorch ops (547 a frame for the 0.6B, 562 for the 1.7B).
+frame fewer than in PyTorch ops (547 a frame for the 0.6B, 548 for the 1.7B).
 
 Batch invariance: every shape in the step is fixed (all `rows` rows, the whole cache), so the same
 kernels run whatever the occupancy, and a row's numbers depend only on its own inputs. Kernels
@@ -170,6 +170,12 @@ class BatchDecoder:
             self.next_hidden = zeros(rows, config.hidden_size, dtype=dtype)
         persistent = code_predictor.PERSISTENT if persistent is None else persistent
         self.predictor_kernel = code_predictor.CodePredictorKernel(talker.code_predictor, rows) if self.frame_kernels and persistent else None
+        if self.frame_kernels and self.predictor_kernel is None:
+            # The code predictor's next inputs come from its tables already in its width (the 1.7B's
+            # projected once here): one input projection a frame instead of 15.
+            project = talker.code_predictor.small_to_mtp_projection
+            self.next_tables = (project_code_tables(talker.code_predictor.model, project, self.code_tables)
+                                if isinstance(project, torch.nn.Linear) else self.code_tables)
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         row_blocks = ROW_BLOCKS if row_blocks is None else row_blocks
         self.block_sizes = block_sizes(rows) if self.frame_kernels and self.predictor_kernel is None and row_blocks else [rows]
@@ -398,19 +404,33 @@ class BatchDecoder:
                    rows.code_predictor_input, self.talker.model.codec_embedding.weight)
 
     def _predict_in_kernels(self, rows: RowBlock, text: FrameText) -> None:
-        """The code predictor a kernel per stage over the block's rows: per step, its input
-        projection (the 1.7B's), its layers, its head and `code_step`."""
+        """The code predictor a kernel per stage over the block's rows: the first step's input
+        projection (the 1.7B's: the talker's state and codebook 0), then per step its layers, its head
+        and `code_step`, which writes the next step's input from `next_tables` (already projected)."""
         predictor = self.talker.code_predictor
         project = predictor.small_to_mtp_projection
+        if isinstance(project, torch.nn.Linear):
+            fused_linear(predictor.model, project, rows.code_predictor_input, rows.projected_input)
         for head in range(self.sub_steps):
-            inputs, projected = (rows.code_predictor_input, rows.projected_input) if head == 0 else (rows.predictor_next, rows.projected_next)
-            if isinstance(project, torch.nn.Linear):
-                fused_linear(predictor.model, project, inputs, projected)
+            projected = rows.projected_input if head == 0 else rows.projected_next
             logits = self.predictor_logits(projected, rows.cp_positions[head], predictor.lm_head[head].weight)
             last = head == self.sub_steps - 1
             code_step(logits, rows.sub_sampling, rows.seed_hash, rows.frame, self.draws_per_frame, self.vocab + head * self.sub_vocab, rows.codes,
-                      head + 1, self.code_tables, self.table_starts, rows.talker_input if last else rows.predictor_next,
-                      text=text if last else None, token=rows.token)
+                      head + 1, self.code_tables if last else self.next_tables, self.table_starts,
+                      rows.talker_input if last else rows.projected_next, text=text if last else None, token=rows.token)
+
+
+@torch.inference_mode()
+def project_code_tables(model: Transformer, project: torch.nn.Linear, tables: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Every row of the stacked code tables through the code predictor's input projection, in the
+    decode step's matmul kernel (`fused_linear`, whose arithmetic for a row does not depend on the
+    rows beside it): row r is bit for bit what projecting code r's embedding in a step gives.
+    In chunks of rows: the model's split-K workspace, which keeps its size, grows only to a few MB."""
+    out = torch.empty(tables.shape[0], project.out_features, dtype=tables.dtype, device=tables.device)
+    for start in range(0, tables.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        fused_linear(model, project, tables[None, rows], out[None, rows])
+    return out
 
 
 def stack_code_tables(talker: Talker) -> tuple[torch.Tensor, torch.Tensor]:

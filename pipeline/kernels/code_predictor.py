@@ -1,7 +1,7 @@
 """The code predictor's whole frame in one persistent kernel: 15 steps, each its input projection
 (where the talker is wider), five decoder layers, the final norm and head, and the draw of one
 codebook with the next step's input; after the last, the talker's input (`CodePredictorKernel`).
-One launch a frame instead of 405 (0.6B; 420 for the 1.7B): the step's kernels per frame go from 547 (562) to 143.
+One launch a frame instead of 405 (0.6B; 406 for the 1.7B): the step's kernels per frame go from 547 (548) to 143.
 
 Its programs, one per SM, walk through the frame's stages together: each takes its share of a
 stage's tiles (the same tiles, the same arithmetic as the kernel-per-stage path in `decode` and
@@ -207,8 +207,9 @@ def stack_caches(model: "Transformer") -> tuple[torch.Tensor, torch.Tensor]:
 
 class CodePredictorKernel:
     """Codebooks 1..15 of every row's frame in one launch (see the module's docstring): the same
-    work, in the same tiles, as the per-step path of `BatchDecoder._frame_in_kernels` (the
-    predictor's layers and head per step, then `code_step`), the 1.7B's input projection included.
+    arithmetic, in the same tiles, as the per-step path of `BatchDecoder._frame_in_kernels` (the
+    predictor's layers and head per step, then `code_step`), the 1.7B's input projection included
+    (each step here; the per-step path reads the later steps' from tables projected once: the same bits).
 
     Building it stacks the predictor's layer weights, heads and caches (the modules' tensors become
     views: nothing is copied twice) and allocates its scratch for `rows` rows. `programs`: how many
