@@ -341,7 +341,9 @@ def test_split_k_equals_the_unsplit_kernel_and_repeats_exactly(mode, rows):
                       shape=Tiles(block_k=16, split_k=split_k))
 
     whole, split = run(1), run(4)
-    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    # float32 sums in another order: gate/up's product doubles the rounding (4e-5 seen on an H200);
+    # a partial dropped or counted twice is off by the size of a value
+    torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-4)
     assert torch.equal(run(4), split)
     assert not workspace.locks.any()
 
