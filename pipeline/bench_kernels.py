@@ -154,21 +154,34 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, re
     return result
 
 
-def sampling_us() -> dict[str, float]:
-    """The fused sampling kernel alone (CUDA graph), top-k 50, temperature 0.9, top-p 1 then 0.8, per
-    vocabulary (the code predictor's 2,048, the talker's 3,072) and rows."""
+SAMPLING_CASES = ((2048, 1, 50, 1.0), (2048, 1, 0, 1.0), (2048, 16, 50, 1.0), (3072, 1, 50, 1.0), (3072, 1, 0, 1.0), (2048, 1, 50, 0.8))
+
+
+def sampling_us(draws: int = 8) -> dict[str, float]:
+    """The fused sampling kernel alone (CUDA graph), temperature 0.9, per vocabulary (the code
+    predictor's 2,048, the talker's 3,072), rows, top-k (50, or 0: off, no search) and top-p: the
+    median over `draws` logit draws (how soon the top-k search stops depends on the logits)."""
     from pipeline.engine.sampling import RowSampling, exponential_noise
     from pipeline.kernels import fused_sample
 
     result = {}
-    for vocab, rows, top_p in ((2048, 1, 1.0), (2048, 16, 1.0), (3072, 1, 1.0), (2048, 1, 0.8)):
-        logits = 3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).cuda()
+    for vocab, rows, top_k, top_p in SAMPLING_CASES:
         settings = RowSampling.zeros(rows, torch.device("cuda"))
         for row in range(rows):
-            settings.set_row(row, True, 0.9, 50, top_p)
+            settings.set_row(row, True, 0.9, top_k, top_p)
         noise = exponential_noise(torch.arange(rows, device="cuda") + 1, torch.zeros(rows, dtype=torch.long, device="cuda"), vocab)
-        result[f"vocabulary {vocab}, {rows} rows, top-p {top_p}"] = graph_us(lambda: fused_sample(logits, settings, noise))
+        times = []
+        for seed in range(draws):
+            # bf16-rounded, as the heads' logits are
+            logits = (3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))).bfloat16().float().cuda()
+            times.append(graph_us(lambda: fused_sample(logits, settings, noise)))
+        result[f"vocabulary {vocab}, {rows} rows, top-k {top_k}, top-p {top_p}"] = statistics.median(times)
     return result
+
+
+def sampling_markdown(report: dict) -> str:
+    lines = ["| sampling kernel alone (CUDA graph), temperature 0.9 | us per launch |", "|---|---|"]
+    return "\n".join(lines + [f"| {case} | {us:.1f} |" for case, us in report["sampling_us"].items()]) + "\n"
 
 
 def occupied_step_ms(tts: TTS) -> dict[int, float]:
@@ -304,9 +317,7 @@ def ablation_markdown(report: dict) -> str:
             for kind, v in sorted(profile.items(), key=lambda kv: -kv[1]["ms"]):
                 lines.append(f"| {kind} | {v['kernels']} | {v['ms']:.3f} |")
             lines.append(f"| **all kernels** | {sum(v['kernels'] for v in profile.values())} | {sum(v['ms'] for v in profile.values()):.3f} |")
-    lines += ["", "| sampling kernel alone (CUDA graph), top-k 50 | us per launch |", "|---|---|"]
-    lines += [f"| {case} | {us:.1f} |" for case, us in report["sampling_us"].items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + sampling_markdown(report)
 
 
 def weight_shape(text: str) -> tuple[str, int, int]:
@@ -332,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only tune the tiles in the step: each weight shape's alternatives timed in the whole decode step (1 row)")
     parser.add_argument("--shapes", nargs="+", type=weight_shape, metavar="KIND,N,K",
                         help="with --step-sweep: only these weight shapes (e.g. linear2,6144,2048); default every shape the step launches")
+    parser.add_argument("--sampling", action="store_true", help="only the sampling kernel alone, top-k on and off, per vocabulary")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     args.shapes = set(args.shapes) if args.shapes else None
@@ -340,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.sampling:
+        report = {**report_header("pipeline.bench_kernels", argv), "sampling_us": sampling_us()}
+        write_report(args.out, "sampling", report, sampling_markdown(report))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         if args.step_sweep:

@@ -483,6 +483,32 @@ def test_fused_sampling_draws_the_tokens_of_sample_rows():
     assert expected[2] == logits[2].argmax() and expected[5] == logits[5].argmax()  # greedy, and top-k 1
 
 
+@pytest.mark.parametrize("vocab", [2048, 3072])
+@torch.inference_mode()
+def test_the_top_k_search_keeps_the_top_k_at_any_scale(vocab):
+    """The top-k search starts a few binades below the largest logit and stops once a threshold
+    keeps exactly k: at logit scales from 0.01 to 300 (the first round's thresholds below every
+    logit, or spread over them), all-negative logits, -inf among them, and ties at the k-th value,
+    for k from 1 to just below the vocabulary, the drawn tokens are sample_rows' (its sorted cutoff)."""
+    from pipeline.engine.sampling import RowSampling, exponential_noise, sample_rows
+    from pipeline.kernels import fused_sample
+
+    tops = [1, 2, 3, 50, 51, 333, vocab - 1]
+    generator = torch.Generator().manual_seed(vocab)
+    for scale in (0.01, 3.0, 300.0):
+        logits = (scale * torch.randn(len(tops), vocab, generator=generator)).bfloat16().float()
+        logits[1] = -logits[1].abs() - scale  # every logit negative
+        logits[2, ::5] = float("-inf")
+        logits[3] = torch.round(logits[3] / scale * 2)  # ties at the k-th value
+        settings = RowSampling.zeros(len(tops), torch.device(DEVICE))
+        for row, k in enumerate(tops):
+            settings.set_row(row, True, 0.9, k, 1.0)
+        logits = logits.to(DEVICE)
+        for draw in range(2):
+            noise = exponential_noise(torch.arange(len(tops), device=DEVICE) + 17, torch.full((len(tops),), draw * vocab, device=DEVICE), vocab)
+            assert torch.equal(fused_sample(logits, settings, noise), sample_rows(logits, settings, noise)), (scale, draw)
+
+
 @torch.inference_mode()
 def test_fused_sampling_cutoffs_on_ties_signed_zeros_and_a_full_vocabulary():
     """The kernel finds its top-k and top-p cutoffs by searching the logits' bits, not by sorting:

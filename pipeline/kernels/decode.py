@@ -454,6 +454,9 @@ def _attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr,
     active = tl.cdiv(count, CHUNK)
     if chunk < active:
         s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, m, head, chunk, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
+        # the values leave with the keys: their round trip overlaps the statistics' exchange
+        d = tl.arange(0, HEAD_DIM)
+        values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0)
         group = m * HEADS + head
         if PASSES != 2:
             top = tl.max(s, axis=0)  # finite: the chunk's first position is at or before the query's
@@ -464,15 +467,16 @@ def _attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr,
         if PASSES == 3:
             arrive_and_wait(arrival_ptr + group, active)
         if PASSES != 1:
-            _chunk_values(s, offs_s, base, count, active, v_cache_ptr, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
+            _chunk_values(s, offs_s, values, count, active, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
                           HEAD_DIM, CHUNKS, CHUNKS_P2, PASSES == 3)
 
 
 @triton.jit
-def _chunk_values(s, offs_s, base, count, active, v_cache_ptr, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
+def _chunk_values(s, offs_s, values, count, active, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
                   HEAD_DIM: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, RESET_ARRIVALS: tl.constexpr):
-    """The second pass of `_attention_split_kernel` for one chunk. The statistics are read past L1
-    (.cg): in one launch another program wrote them after this SM may have cached the lines."""
+    """The second pass of `_attention_split_kernel` for one chunk (its scores s, its values [CHUNK,
+    HEAD_DIM]). The statistics are read past L1 (.cg): in one launch another program wrote them
+    after this SM may have cached the lines."""
     dt = out_ptr.dtype.element_ty
     c = tl.arange(0, CHUNKS_P2)
     slots = (group * CHUNKS + c) * 2
@@ -481,8 +485,7 @@ def _chunk_values(s, offs_s, base, count, active, v_cache_ptr, stats_ptr, partia
     total = tl.sum(tl.load(stats_ptr + slots + 1, mask=c < active, other=0.0, cache_modifier=".cg") * tl.exp(tops - top), axis=0)
     p = _round(tl.where(offs_s < count, tl.exp(s - top), 0.0) / total, dt)
     d = tl.arange(0, HEAD_DIM)
-    values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0).to(tl.float32)
-    acc = tl.sum(p[:, None] * values, axis=0)[None, :]
+    acc = tl.sum(p[:, None] * values.to(tl.float32), axis=0)[None, :]
     acc, _, last = _sum_splits(acc, acc, partial_ptr, lock_ptr, group, chunk, active, tl.full([1], True, tl.int1), CHUNKS, False)
     if last:
         if RESET_ARRIVALS:  # every chunk has passed its wait: it arrived here after it
