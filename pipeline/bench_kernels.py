@@ -344,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", type=weight_shape, metavar="KIND,N,K",
                         help="with --step-sweep: only these weight shapes (e.g. linear2,6144,2048); default every shape the step launches")
     parser.add_argument("--sampling", action="store_true", help="only the sampling kernel alone, top-k on and off, per vocabulary")
+    parser.add_argument("--attention", action="store_true", help="only the talker's attention alone, per chunking and context length")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     args.shapes = set(args.shapes) if args.shapes else None
@@ -352,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.attention:
+        report = {**report_header("pipeline.bench_kernels", argv), "attention_us": attention_alone()}
+        write_report(args.out, "attention", report, attention_markdown(report))
+        return 0
     if args.sampling:
         report = {**report_header("pipeline.bench_kernels", argv), "sampling_us": sampling_us()}
         write_report(args.out, "sampling", report, sampling_markdown(report))
@@ -527,22 +532,55 @@ def best_tiles(candidates: list[Tiles], run, output: torch.Tensor, launches: int
     return best, timed[best], {str(t): us for t, us in timed.items()}
 
 
-def attention_sweep(attn, q, positions, out, workspace, hidden: int) -> dict:
-    """The talker's attention (a cache of TALKER_CACHE positions) at 200 and 1,000 positions: one
-    program per head against the cache split in chunks; the variant whose slower length is the
-    fastest is used for the rest of the run. (A code-predictor step, 16 positions, is one block either way.)"""
+ATTENTION_VARIANTS = {"one program per head": (0, 0), **{f"chunks of {c} x {w} warps": (c, w) for c, w in ((64, 4), (128, 8), (256, 8), (256, 16))}}
+
+
+def attention_sweep(attn, q, positions, out, workspace, hidden: int, counts=(200, 1000), adopt: bool = True) -> dict:
+    """The talker's attention (a cache of TALKER_CACHE positions) at `counts` positions: one program
+    per head against the cache split in chunks (ATTENTION_VARIANTS); with `adopt`, the variant whose
+    slowest length is the fastest is used for the rest of the run. (A code-predictor step, 16
+    positions, is one block either way.)"""
     report, timed = {}, {}
-    variants = {"one program per head": dict(chunk=0), **{f"chunks of {c}": dict(chunk=c) for c in (32, 64, 128)}}
-    for count in (200, 1000):
+    for count in counts:
         positions.fill_(count - 1)
-        for name, options in variants.items():
-            us = graph_us(lambda: kernels.attention(attn, q, positions, 1, out, workspace, **options))
+        for name, (chunk, warps) in ATTENTION_VARIANTS.items():
+            us = graph_us(lambda: kernels.attention(attn, q, positions, 1, out, workspace, chunk=chunk, num_warps=warps or None))
             timed.setdefault(name, []).append(us)
             report[f"attention hidden {hidden}, {count} positions, {name}"] = us
             print("attention", count, name, f"{us:.2f} us", flush=True)
-    best = min(timed, key=lambda name: max(timed[name]))  # the best worst case: a long utterance must not slow down
-    kernels.ATTENTION_CHUNKS[TALKER_CACHE] = variants[best]["chunk"]
+    if adopt:
+        best = min(timed, key=lambda name: max(timed[name]))  # the best worst case: a long utterance must not slow down
+        kernels.ATTENTION_CHUNKS[TALKER_CACHE] = ATTENTION_VARIANTS[best]
     return report
+
+
+ATTENTION_COUNTS = (50, 200, 300, 1000, 2000)
+
+
+@torch.inference_mode()
+def attention_alone(rows: int = 1) -> dict:
+    """`attention_sweep` of a talker layer's attention (16 query heads, 8 key/value heads of 128: both
+    sizes' shapes) at ATTENTION_COUNTS positions, nothing adopted."""
+    from pipeline.model import Attention, KVCache
+
+    with torch.device("cuda"):
+        attn = Attention(1024, 16, 8, 128, 1e-6).to(torch.bfloat16)
+        attn.kv_cache = KVCache(rows, 8, TALKER_CACHE, 128, torch.bfloat16, torch.device("cuda"))
+        attn.kv_cache.k.normal_()
+        attn.kv_cache.v.normal_()
+        q = torch.randn(rows, 16, 128, dtype=torch.bfloat16)
+        out = torch.empty(rows, 16 * 128, dtype=torch.bfloat16)
+        positions = torch.zeros(rows, dtype=torch.long)
+    return attention_sweep(attn, q, positions, out, kernels.Workspace(), 1024, ATTENTION_COUNTS, adopt=False)
+
+
+def attention_markdown(report: dict) -> str:
+    lines = ["| talker attention alone (CUDA graph), us | " + " | ".join(f"{c} positions" for c in ATTENTION_COUNTS) + " |",
+             "|---" * (len(ATTENTION_COUNTS) + 1) + "|"]
+    for name in ATTENTION_VARIANTS:
+        times = [report["attention_us"][f"attention hidden 1024, {c} positions, {name}"] for c in ATTENTION_COUNTS]
+        lines.append(f"| {name} | " + " | ".join(f"{us:.1f}" for us in times) + " |")
+    return "\n".join(lines) + "\n"
 
 
 @torch.inference_mode()

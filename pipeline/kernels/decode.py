@@ -49,10 +49,13 @@ import triton.language as tl
 BLOCK_M = 16  # rows of the batch per program, whatever the batch: a row's arithmetic never depends on the batch size
 NORM_BLOCK = 256
 ATTENTION_BLOCK = 128  # cache positions per iteration of the attention loop
-# Cache lengths whose attention runs split in chunks of this many positions (the talker's). Measured
-# on an H200 (`python -m pipeline.bench_kernels --sweep`): chunks of 64 take 10.3 / 10.9 us at 200 /
-# 1,000 positions, one program per head 9.8 / 38.8 us (16 programs loop over the whole context).
-ATTENTION_CHUNKS: dict[int, int] = {2048: 64}
+# Cache lengths whose attention runs split in chunks: positions per chunk, warps per program (the
+# talker's). A context of one chunk is attended by one program per head with nothing to exchange.
+# Measured on an H200 (`python -m pipeline.bench_kernels --attention`, us at 50 / 200 / 300 / 1,000 /
+# 2,000 positions): chunks of 256 x 8 warps 4.7 / 4.8 / 8.2 / 8.5 / 9.2; of 64 x 4 warps 3.4 / 7.0 /
+# 7.7 / 10.4 / 14.0; of 128 x 8 warps 4.8 / 8.3 / 8.7 / 9.3 / 10.3; one program per head looping over
+# the context 3.6 / 10.4 / 14.7 / 41.7 / 81.8. In the whole step (0.6B, 1 row) 3.01 -> 2.95 ms.
+ATTENTION_CHUNKS: dict[int, tuple[int, int]] = {2048: (256, 8)}
 OVERLAP = True  # overlapped launches where the GPU has them (`overlapped`); off: every kernel waits for the previous to end
 # At most this many bytes of the next matmul's weights are asked into L2 ahead of time: under half
 # the L2 of an H100 / H200 (50 MB), so lines are not pushed out before they are read.
@@ -442,6 +445,7 @@ def _attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr,
     First pass: the chunk's maximum score and its sum of exp(score - maximum). Second: the softmax's
     maximum and sum from every chunk's (in chunk order), the chunk's probabilities rounded as the
     reference's, their weighted values; the last chunk to finish adds the chunks' values in chunk order.
+    A context of one chunk needs neither: its program attends alone.
 
     PASSES 3: both in one launch, each program waiting between them until every chunk of its head
     has stored its statistics (`arrive_and_wait`). The chunks are the grid's first dimension, so a
@@ -458,17 +462,24 @@ def _attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr,
         d = tl.arange(0, HEAD_DIM)
         values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0)
         group = m * HEADS + head
-        if PASSES != 2:
-            top = tl.max(s, axis=0)  # finite: the chunk's first position is at or before the query's
-            total = tl.sum(tl.where(offs_s < count, tl.exp(s - top), 0.0), axis=0)
-            slot = (group * CHUNKS + chunk) * 2
-            tl.store(stats_ptr + slot, top)
-            tl.store(stats_ptr + slot + 1, total)
-        if PASSES == 3:
-            arrive_and_wait(arrival_ptr + group, active)
-        if PASSES != 1:
-            _chunk_values(s, offs_s, values, count, active, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
-                          HEAD_DIM, CHUNKS, CHUNKS_P2, PASSES == 3)
+        top = tl.max(s, axis=0)  # finite: the chunk's first position is at or before the query's
+        total = tl.sum(tl.where(offs_s < count, tl.exp(s - top), 0.0), axis=0)
+        if active == 1:
+            # The context fits one chunk: its statistics are the softmax's, nothing to exchange (the
+            # same arithmetic as the exchange gives with one chunk: its maximum, its sum times exp(0)).
+            if PASSES != 1:
+                p = _round(tl.where(offs_s < count, tl.exp(s - top), 0.0) / total, out_ptr.dtype.element_ty)
+                tl.store(out_ptr + group * HEAD_DIM + d, tl.sum(p[:, None] * values.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty))
+        else:
+            if PASSES != 2:
+                slot = (group * CHUNKS + chunk) * 2
+                tl.store(stats_ptr + slot, top)
+                tl.store(stats_ptr + slot + 1, total)
+            if PASSES == 3:
+                arrive_and_wait(arrival_ptr + group, active)
+            if PASSES != 1:
+                _chunk_values(s, offs_s, values, count, active, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
+                              HEAD_DIM, CHUNKS, CHUNKS_P2, PASSES == 3)
 
 
 @triton.jit
@@ -691,7 +702,9 @@ def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, l
     cache = attn.kv_cache
     scale, strides = attn.head_dim**-0.5, cache.k.stride()[:2]
     shape = dict(HEADS=attn.heads, GROUP=attn.heads // attn.kv_heads, HEAD_DIM=attn.head_dim)
-    chunk = chunk if chunk is not None else ATTENTION_CHUNKS.get(cache.k.shape[2])
+    if chunk is None:
+        chunk, warps = ATTENTION_CHUNKS.get(cache.k.shape[2], (0, 0))
+        num_warps = num_warps or warps
     if chunk:
         chunks = triton.cdiv(cache.k.shape[2], chunk)
         grid = (chunks, attn.heads, q.shape[0])

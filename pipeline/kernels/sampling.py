@@ -72,9 +72,17 @@ CANDIDATES = 8  # thresholds per round of the top-p search, the interval shrinki
 
 
 @triton.jit
-def _softmax(x):
-    e = tl.exp(x - tl.max(x, axis=0))
+def _softmax(x, largest):
+    """softmax(x) given x's largest value (as the reference's softmax: exp(x - max) / sum)."""
+    e = tl.exp(x - largest)
     return e / tl.sum(e, axis=0)
+
+
+@triton.jit
+def _value(key):
+    """The float32 value of a key (`_keys`' inverse)."""
+    key = key.to(tl.int32)
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -152,22 +160,24 @@ def _mass_cutoff(keys, p, lo, hi, mass, C: tl.constexpr):
 def _choose(logits, inside, noise, row, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, V, C: tl.constexpr):
     """Row `row`'s token from its logits [BLOCK] (-inf past V) and Exp(1) noise, with its settings
     (RowSampling's tensors): see sample_rows."""
-    token = tl.argmax(logits, axis=0)
     if tl.load(do_sample_ptr + row) != 0:
         scaled = logits / tl.load(temperature_ptr + row) + 0.0
         # The padding's key is below every value's, -inf's included: never counted.
         keys = tl.where(inside, _keys(scaled), -2147483648)
         top = tl.max(keys, axis=0).to(tl.int64)
+        largest = _value(top)  # every cutoff keeps the largest value: the kept values' maximum
         cutoff = tl.full([], -2147483647, tl.int64)  # top-k off: every token (the padding's key is -2^31)
         top_k = tl.load(top_k_ptr + row)
         if (top_k > 0) & (top_k < V):
             cutoff = _kth_largest(keys, top, top_k)
         top_p = tl.load(top_p_ptr + row)
         if top_p < 1.0:
-            p = _softmax(tl.where(keys >= cutoff, scaled, float("-inf")))
+            p = _softmax(tl.where(keys >= cutoff, scaled, float("-inf")), largest)
             cutoff = _mass_cutoff(keys, p, cutoff - 1, top, 1.0 - top_p, C)
-        race = _softmax(tl.where(keys >= cutoff, scaled, float("-inf"))) / noise
+        race = _softmax(tl.where(keys >= cutoff, scaled, float("-inf")), largest) / noise
         token = tl.argmax(race, axis=0)
+    else:
+        token = tl.argmax(logits, axis=0)
     return token
 
 
