@@ -7,7 +7,8 @@ where the fused frame's time goes (kernel time by kind, and the launch gaps betw
 and how near the two are numerically: in float32 the codes must be identical, in bf16 the share
 of equal codes and the waveform error over one utterance. `--ablation` times the fused step's
 launch options and paths; `--sweep` times each kernel's tiles alone, `--step-sweep` in the whole
-step (the tiles in pipeline.kernels.decode.TUNED come from it).
+step (the tiles in pipeline.kernels.decode.TUNED come from it); `--sampling` and `--attention` time
+those kernels alone; `--profile` says where the step's time goes.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from pipeline.tts import TTS
 KINDS = (  # (kind, substrings of kernel names), first match wins
     ("code predictor (one persistent kernel: its 15 steps, sampling included)", ("_code_predictor_kernel",)),
     ("q/k/v + norms + RoPE + cache write", ("_qkv_kernel",)),
+    ("talker attention (its cache in chunks)", ("_attention_split",)),
     ("attention", ("_attention_",)),
     ("projections (o, gate/up, down)", ("_linear_kernel",)),
     ("final norms", ("_rms_norm_kernel",)),
@@ -42,8 +44,8 @@ KINDS = (  # (kind, substrings of kernel names), first match wins
 )
 
 
-def profile_step(tts: TTS) -> dict:
-    """Kernels of one decode step by kind: count and GPU ms; the rest of the step's time is launch gaps."""
+def step_kernels(tts: TTS) -> list[tuple[str, float, float, float]]:
+    """One decode step's kernels as the profiler sees them: (name, start, end, GPU time), in us."""
     from torch.profiler import ProfilerActivity, profile
 
     decoder = tts.engine.decoder
@@ -52,13 +54,64 @@ def profile_step(tts: TTS) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decoder.step()
         torch.cuda.synchronize()
+    return [(e.name, e.time_range.start, e.time_range.end, e.device_time) for e in prof.events()
+            if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name]
+
+
+def profile_step(tts: TTS) -> dict:
+    """Kernels of one decode step by kind: count and GPU ms; the rest of the step's time is launch gaps."""
     kinds: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type.name != "CUDA" or "Memcpy" in event.name or "Memset" in event.name:
-            continue
-        kind = next((k for k, names in KINDS if any(n in event.name for n in names)), "other")
-        kinds.setdefault(kind, []).append(event.device_time / 1000.0)
+    for name, _, _, us in step_kernels(tts):
+        kinds.setdefault(kind_of(name), []).append(us / 1000.0)
     return {k: {"kernels": len(v), "ms": sum(v)} for k, v in kinds.items()}
+
+
+def kind_of(kernel: str) -> str:
+    return next((k for k, names in KINDS if any(n in kernel for n in names)), "other")
+
+
+def charge_in_order(kernels: list[tuple[str, float, float]]) -> dict:
+    """Where an overlapped step's time goes: its kernels (name, start, end in us) in the order they
+    start, each charged with how much later than every kernel before it it ends (a kernel launched
+    early waits beside the previous one: only what it adds to the frame counts), by kind: kernels,
+    ms of the frame, us each. The charges add up to the step's span."""
+    kinds: dict[str, list[float]] = {}
+    done = None
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        done = start if done is None else done
+        kinds.setdefault(kind_of(name), []).append(max(end - done, 0.0))
+        done = max(done, end)
+    return {k: {"kernels": len(v), "ms": sum(v) / 1000.0, "us_each": sum(v) / len(v)} for k, v in kinds.items()}
+
+
+def timeline_profile(tts: TTS) -> dict:
+    """`charge_in_order` of one decode step as it runs (overlapped launches, CUDA graph)."""
+    return charge_in_order([(name, start, end) for name, start, end, _ in step_kernels(tts)])
+
+
+def frame_shares(size: str, workdir: Path) -> dict:
+    """`timeline_profile` of a 1-row fused engine, with its step's ms per frame."""
+    tts = fused_engine(size, workdir, 1)
+    result = {"step_ms": step_ms(tts, 1), "kinds": timeline_profile(tts)}
+    del tts
+    torch.cuda.empty_cache()
+    return result
+
+
+def profile_markdown(report: dict) -> str:
+    lines = []
+    for size, timeline in report["timeline"].items():
+        lines += [f"{size}, engine of 1 row: {timeline['step_ms']:.3f} ms per frame. Each kind's share of one overlapped step "
+                  "(a kernel charged with how much later than the kernels before it it ends), and the kernels' own times with "
+                  "overlapped launches off:", "",
+                  "| kind | kernels | ms of the frame | us each | own ms, launches serial |", "|---|---|---|---|---|"]
+        serial = report["profile"][size]
+        for kind, v in sorted(timeline["kinds"].items(), key=lambda kv: -kv[1]["ms"]):
+            own = serial.get(kind, {}).get("ms")
+            lines.append(f"| {kind} | {v['kernels']} | {v['ms']:.3f} | {v['us_each']:.1f} | {'-' if own is None else f'{own:.3f}'} |")
+        lines += [f"| **all** | {sum(v['kernels'] for v in timeline['kinds'].values())} | {sum(v['ms'] for v in timeline['kinds'].values()):.3f} | "
+                  f"| {sum(v['ms'] for v in serial.values()):.3f} |", ""]
+    return "\n".join(lines)
 
 
 def fused_engine(size: str, workdir: Path, rows: int) -> TTS:
@@ -345,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --step-sweep: only these weight shapes (e.g. linear2,6144,2048); default every shape the step launches")
     parser.add_argument("--sampling", action="store_true", help="only the sampling kernel alone, top-k on and off, per vocabulary")
     parser.add_argument("--attention", action="store_true", help="only the talker's attention alone, per chunking and context length")
+    parser.add_argument("--profile", action="store_true",
+                        help="only where the fused step's time goes (engine of 1 row): each kernel kind's share of the overlapped frame, "
+                             "and the kernels' own times with overlapped launches off")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     args.shapes = set(args.shapes) if args.shapes else None
@@ -363,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
+        if args.profile:
+            report = {**report_header("pipeline.bench_kernels", argv), "timeline": {}, "profile": {}}
+            for size in args.sizes:
+                report["timeline"][size] = frame_shares(size, workdir)
+                report["profile"][size] = serial_profile(size, workdir)
+            write_report(args.out, "profile-" + "-".join(args.sizes), report, profile_markdown(report))
+            return 0
         if args.step_sweep:
             report = {**report_header("pipeline.bench_kernels", argv), "step_sweep": {}}
             for size in args.sizes:

@@ -708,6 +708,24 @@ def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoin
     assert wide.next_tables is wide.code_tables
 
 
+def test_the_step_profile_charges_each_kernel_what_it_adds_to_the_frame():
+    """Overlapped kernels start before the previous one ends: each is charged with how much later
+    than every kernel before it it ends (nothing if earlier), by kind, and the charges add up to the
+    step's span: not the kernels' own durations, which count the overlap twice."""
+    from pipeline.bench_kernels import charge_in_order
+
+    kernels = [("_linear_kernel_a", 7.0, 14.0), ("_qkv_kernel", 0.0, 6.0), ("_attention_kernel", 3.0, 8.0),
+               ("_code_kernel", 13.0, 28.0), ("_linear_kernel_b", 20.0, 27.0), ("_attention_split_kernel", 27.5, 31.0)]
+    charged = charge_in_order(kernels)
+    assert sum(v["ms"] for v in charged.values()) == pytest.approx(0.031)  # the span, 0 to 31 us
+    assert charged["q/k/v + norms + RoPE + cache write"]["ms"] == pytest.approx(0.006)
+    assert charged["attention"]["ms"] == pytest.approx(0.002)  # ends 2 us after the q/k/v kernel
+    # 14 - 8, then 0: the second ends before the draw that started earlier
+    assert charged["projections (o, gate/up, down)"] == {"kernels": 2, "ms": pytest.approx(0.006), "us_each": pytest.approx(3.0)}
+    assert charged["talker attention (its cache in chunks)"]["ms"] == pytest.approx(0.003)
+    assert sum(k["kernels"] for k in charged.values()) == len(kernels)
+
+
 def test_the_kernel_benchmark_refuses_fewer_than_one_repeat(capsys):
     from pipeline.bench_kernels import main
 
