@@ -91,11 +91,7 @@ def timeline_profile(tts: TTS) -> dict:
 
 def frame_shares(size: str, workdir: Path) -> dict:
     """`timeline_profile` of a 1-row fused engine, with its step's ms per frame."""
-    tts = fused_engine(size, workdir, 1)
-    result = {"step_ms": step_ms(tts, 1), "kinds": timeline_profile(tts)}
-    del tts
-    torch.cuda.empty_cache()
-    return result
+    return on_one_row_engine(size, workdir, lambda tts: {"step_ms": step_ms(tts, 1), "kinds": timeline_profile(tts)})
 
 
 def profile_markdown(report: dict) -> str:
@@ -119,13 +115,17 @@ def fused_engine(size: str, workdir: Path, rows: int) -> TTS:
     return random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=rows, fused=True)
 
 
-def one_row_step_ms(size: str, workdir: Path) -> float:
-    """`step_ms` of a 1-row fused engine built for this measurement alone (freed after it)."""
+def on_one_row_engine(size: str, workdir: Path, measure):
+    """`measure(tts)` of a 1-row fused engine built for this measurement alone (freed after it)."""
     tts = fused_engine(size, workdir, 1)
-    ms = step_ms(tts, 1)
+    result = measure(tts)
     del tts
     torch.cuda.empty_cache()
-    return ms
+    return result
+
+
+def one_row_step_ms(size: str, workdir: Path) -> float:
+    return on_one_row_engine(size, workdir, lambda tts: step_ms(tts, 1))
 
 
 @contextlib.contextmanager

@@ -158,14 +158,15 @@ class BatchDecoder:
             self.sample = fused_sample
         self.frame_kernels = (self.fused and fused_supported(talker.model) and fused_supported(talker.code_predictor.model)
                               and (device.type == "cuda" if frame_kernels is None else frame_kernels))
+        project = talker.code_predictor.small_to_mtp_projection
+        projects = isinstance(project, torch.nn.Linear)  # the 1.7B's: the talker is wider than its code predictor
         if self.frame_kernels:
             self.code_tables, self.table_starts = stack_code_tables(talker)
             self.predictor_next = zeros(rows, 1, config.hidden_size, dtype=dtype)
             # The code predictor's inputs in its width (the 1.7B's input projection writes them; the 0.6B's are its inputs).
-            project = talker.code_predictor.small_to_mtp_projection
             self.projected_input, self.projected_next = (
                 (zeros(rows, 2, project.out_features, dtype=dtype), zeros(rows, 1, project.out_features, dtype=dtype))
-                if isinstance(project, torch.nn.Linear) else (self.code_predictor_input, self.predictor_next))
+                if projects else (self.code_predictor_input, self.predictor_next))
             self.talker_input = zeros(rows, 1, config.hidden_size, dtype=dtype)
             self.next_hidden = zeros(rows, config.hidden_size, dtype=dtype)
         persistent = code_predictor.PERSISTENT if persistent is None else persistent
@@ -173,9 +174,7 @@ class BatchDecoder:
         if self.frame_kernels and self.predictor_kernel is None:
             # The code predictor's next inputs come from its tables already in its width (the 1.7B's
             # projected once here): one input projection a frame instead of 15.
-            project = talker.code_predictor.small_to_mtp_projection
-            self.next_tables = (project_code_tables(talker.code_predictor.model, project, self.code_tables)
-                                if isinstance(project, torch.nn.Linear) else self.code_tables)
+            self.next_tables = project_code_tables(talker.code_predictor.model, project, self.code_tables) if projects else self.code_tables
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         row_blocks = ROW_BLOCKS if row_blocks is None else row_blocks
         self.block_sizes = block_sizes(rows) if self.frame_kernels and self.predictor_kernel is None and row_blocks else [rows]
