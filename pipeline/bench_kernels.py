@@ -595,7 +595,11 @@ def best_tiles(candidates: list[Tiles], run, output: torch.Tensor, launches: int
     return best, timed[best], {str(t): us for t, us in timed.items()}
 
 
-ATTENTION_VARIANTS = {"one program per head": (0, 0), **{f"chunks of {c} x {w} warps": (c, w) for c, w in ((64, 4), (128, 8), (256, 8), (256, 16))}}
+# name -> (positions per chunk, warps, positions attended without exchange, programs per head there)
+ATTENTION_VARIANTS = {"one program per head": (0, 0, 0, 0),
+                      **{f"chunks of {c} x {w} warps": (c, w, c, 1) for c, w in ((64, 4), (128, 8), (256, 8), (256, 16))},
+                      **{f"chunks of {c} x {w} warps, up to {whole} positions in {parts} parts": (c, w, whole, parts)
+                         for c, w, whole, parts in ((256, 8, 256, 2), (256, 8, 256, 4), (256, 8, 256, 8), (256, 8, 512, 8), (128, 4, 256, 4))}}
 
 
 def attention_sweep(attn, q, positions, out, workspace, hidden: int, counts=(200, 1000), adopt: bool = True) -> dict:
@@ -606,18 +610,21 @@ def attention_sweep(attn, q, positions, out, workspace, hidden: int, counts=(200
     report, timed = {}, {}
     for count in counts:
         positions.fill_(count - 1)
-        for name, (chunk, warps) in ATTENTION_VARIANTS.items():
-            us = graph_us(lambda: kernels.attention(attn, q, positions, 1, out, workspace, chunk=chunk, num_warps=warps or None))
+        for name, (chunk, warps, whole, parts) in ATTENTION_VARIANTS.items():
+            us = graph_us(lambda: kernels.attention(attn, q, positions, 1, out, workspace, chunk=chunk, num_warps=warps or None, parts=parts,
+                                                    whole=whole))
             timed.setdefault(name, []).append(us)
             report[f"attention hidden {hidden}, {count} positions, {name}"] = us
             print("attention", count, name, f"{us:.2f} us", flush=True)
     if adopt:
         best = min(timed, key=lambda name: max(timed[name]))  # the best worst case: a long utterance must not slow down
-        kernels.ATTENTION_CHUNKS[TALKER_CACHE] = ATTENTION_VARIANTS[best]
+        chunk, warps, whole, parts = ATTENTION_VARIANTS[best]
+        kernels.ATTENTION_CHUNKS[TALKER_CACHE] = (chunk, warps)
+        kernels.ATTENTION_WHOLE, kernels.ATTENTION_PARTS = whole, parts or 1
     return report
 
 
-ATTENTION_COUNTS = (50, 200, 300, 1000, 2000)
+ATTENTION_COUNTS = (50, 150, 256, 300, 1000, 2000)
 
 
 @torch.inference_mode()

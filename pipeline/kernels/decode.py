@@ -4,8 +4,10 @@
    RoPE and the write of k and v into the cache slot (one program per head: RoPE's halves and
    the head's norm stay in the program);
 2. attention of one query head over its row's cache up to the query's position (not the whole
-   cache: a row reads only what it has written); a long cache (the talker's) split in chunks of
-   positions, a program each, whose softmax statistics the chunks exchange within the launch;
+   cache: a row reads only what it has written); for the talker's long cache, a short context
+   attended by a few programs per head that each weigh a share of the value columns, a long one
+   split in chunks of positions, a program each, whose softmax statistics the chunks exchange
+   within the launch;
 3. output projection with the residual add in the epilogue;
 4. post-attention RMSNorm in the prologue of the gate/up projection, SiLU(gate) * up in its epilogue;
 5. down projection with the residual add in the epilogue.
@@ -50,12 +52,19 @@ BLOCK_M = 16  # rows of the batch per program, whatever the batch: a row's arith
 NORM_BLOCK = 256
 ATTENTION_BLOCK = 128  # cache positions per iteration of the attention loop
 # Cache lengths whose attention runs split in chunks: positions per chunk, warps per program (the
-# talker's). A context of one chunk is attended by one program per head with nothing to exchange.
-# Measured on an H200 (`python -m pipeline.bench_kernels --attention`, us at 50 / 200 / 300 / 1,000 /
+# talker's). Measured on an H200 (`python -m pipeline.bench_kernels --attention`, us at 50 / 200 / 300 / 1,000 /
 # 2,000 positions): chunks of 256 x 8 warps 4.7 / 4.8 / 8.2 / 8.5 / 9.2; of 64 x 4 warps 3.4 / 7.0 /
 # 7.7 / 10.4 / 14.0; of 128 x 8 warps 4.8 / 8.3 / 8.7 / 9.3 / 10.3; one program per head looping over
 # the context 3.6 / 10.4 / 14.7 / 41.7 / 81.8. In the whole step (0.6B, 1 row) 3.01 -> 2.95 ms.
 ATTENTION_CHUNKS: dict[int, tuple[int, int]] = {2048: (256, 8)}
+# A context of ATTENTION_WHOLE positions at most (the first ~17 s of an utterance) needs no exchange:
+# ATTENTION_PARTS programs per head each compute all of its scores and weigh a share of the value
+# columns (each reads a share of the values, the keys from L2 after the first). H200, us at 50 / 150 /
+# 256 positions (chunks of 256 x 8 warps): 1 part 4.7 / 4.8 / 4.8, 2 parts 4.1 / 4.2 / 4.4, 4 parts
+# 3.6 / 3.7 / 3.9, 8 parts 3.7 / 3.8 / 4.0; a whole of 512 positions (8 parts) 5.3 / 5.4 / 5.5 and 5.6
+# at 300 (against 7.4 exchanging): slower where most steps are. In the step: 0.6B 2.842 -> 2.819 ms.
+ATTENTION_WHOLE = 256
+ATTENTION_PARTS = 4  # a power of two
 OVERLAP = True  # overlapped launches where the GPU has them (`overlapped`); off: every kernel waits for the previous to end
 # At most this many bytes of the next matmul's weights are asked into L2 ahead of time: under half
 # the L2 of an H100 / H200 (50 MB), so lines are not pushed out before they are read.
@@ -173,11 +182,16 @@ def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, arrivals, rows_mask, S
     if last:
         a = tl.zeros(a.shape, dtype=tl.float32)
         b = tl.zeros(b.shape, dtype=tl.float32)
-        for k in range(0, arrivals):
-            a += tl.load(tile_ptr + k * 2 * size + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        # Unrolled to SPLIT_K, the partials past `arrivals` left out: every load leaves at once (a loop
+        # over a count known only at run time waits for each load in turn); the same sums in split order.
+        for k in tl.static_range(SPLIT_K):
+            arrived = k < arrivals
+            a = tl.where(arrived, a + tl.load(tile_ptr + k * 2 * size + offs, mask=mask & arrived, other=0.0, cache_modifier=".cg"), a)
             if TWO:
-                b += tl.load(tile_ptr + k * 2 * size + size + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(lock_ptr + tile, 0)
+                b = tl.where(arrived, b + tl.load(tile_ptr + k * 2 * size + size + offs, mask=mask & arrived, other=0.0, cache_modifier=".cg"), b)
+        # relaxed: the next use of the counter is in a later launch, which sees it after this one ends (an
+        # acq_rel exchange would put a GPU-wide fence between the sums and the tile's store)
+        tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed")
     return a, b, last
 
 
@@ -438,14 +452,16 @@ def arrive_and_wait(counter_ptr, target):
 @triton.jit
 def _attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, L, scale, cache_row,
                             cache_head, HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                            CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, PASSES: tl.constexpr, OVERLAP: tl.constexpr):
+                            CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, WHOLE: tl.constexpr, PARTS: tl.constexpr, PASSES: tl.constexpr,
+                            OVERLAP: tl.constexpr):
     """Attention over a cache split in chunks of CHUNK positions: program (chunk, query head, row m),
     chunks past the query's position doing nothing (a row's cache is read up to its own position only).
 
     First pass: the chunk's maximum score and its sum of exp(score - maximum). Second: the softmax's
     maximum and sum from every chunk's (in chunk order), the chunk's probabilities rounded as the
     reference's, their weighted values; the last chunk to finish adds the chunks' values in chunk order.
-    A context of one chunk needs neither: its program attends alone.
+    A context of WHOLE positions at most needs neither: the first PARTS programs each compute all its
+    scores and a share of the value columns.
 
     PASSES 3: both in one launch, each program waiting between them until every chunk of its head
     has stored its statistics (`arrive_and_wait`). The chunks are the grid's first dimension, so a
@@ -456,30 +472,35 @@ def _attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr,
     chunk, head, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(pos_ptr + m) + 1
     active = tl.cdiv(count, CHUNK)
-    if chunk < active:
+    group = m * HEADS + head
+    if count <= WHOLE:
+        # A short context (WHOLE positions at most): the head's first PARTS programs (idle otherwise)
+        # each compute every score, so each has the softmax's statistics with nothing to exchange, and
+        # weigh a 1/PARTS share of the value columns: each reads a share of the values, not all of them.
+        if chunk < PARTS and PASSES != 1:
+            s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, m, head, 0, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, WHOLE)
+            d = chunk * (HEAD_DIM // PARTS) + tl.arange(0, HEAD_DIM // PARTS)
+            values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0)
+            top = tl.max(s, axis=0)
+            p = tl.where(offs_s < count, tl.exp(s - top), 0.0)
+            p = _round(p / tl.sum(p, axis=0), out_ptr.dtype.element_ty)
+            tl.store(out_ptr + group * HEAD_DIM + d, tl.sum(p[:, None] * values.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty))
+    elif chunk < active:
         s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, m, head, chunk, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
         # the values leave with the keys: their round trip overlaps the statistics' exchange
         d = tl.arange(0, HEAD_DIM)
         values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0)
-        group = m * HEADS + head
         top = tl.max(s, axis=0)  # finite: the chunk's first position is at or before the query's
         total = tl.sum(tl.where(offs_s < count, tl.exp(s - top), 0.0), axis=0)
-        if active == 1:
-            # The context fits one chunk: its statistics are the softmax's, nothing to exchange (the
-            # same arithmetic as the exchange gives with one chunk: its maximum, its sum times exp(0)).
-            if PASSES != 1:
-                p = _round(tl.where(offs_s < count, tl.exp(s - top), 0.0) / total, out_ptr.dtype.element_ty)
-                tl.store(out_ptr + group * HEAD_DIM + d, tl.sum(p[:, None] * values.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty))
-        else:
-            if PASSES != 2:
-                slot = (group * CHUNKS + chunk) * 2
-                tl.store(stats_ptr + slot, top)
-                tl.store(stats_ptr + slot + 1, total)
-            if PASSES == 3:
-                arrive_and_wait(arrival_ptr + group, active)
-            if PASSES != 1:
-                _chunk_values(s, offs_s, values, count, active, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
-                              HEAD_DIM, CHUNKS, CHUNKS_P2, PASSES == 3)
+        if PASSES != 2:
+            slot = (group * CHUNKS + chunk) * 2
+            tl.store(stats_ptr + slot, top)
+            tl.store(stats_ptr + slot + 1, total)
+        if PASSES == 3:
+            arrive_and_wait(arrival_ptr + group, active)
+        if PASSES != 1:
+            _chunk_values(s, offs_s, values, count, active, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, group, chunk,
+                          HEAD_DIM, CHUNKS, CHUNKS_P2, PASSES == 3)
 
 
 @triton.jit
@@ -500,7 +521,7 @@ def _chunk_values(s, offs_s, values, count, active, stats_ptr, partial_ptr, lock
     acc, _, last = _sum_splits(acc, acc, partial_ptr, lock_ptr, group, chunk, active, tl.full([1], True, tl.int1), CHUNKS, False)
     if last:
         if RESET_ARRIVALS:  # every chunk has passed its wait: it arrived here after it
-            tl.atomic_xchg(arrival_ptr + group, 0)
+            tl.atomic_xchg(arrival_ptr + group, 0, sem="relaxed")
         tl.store(out_ptr + group * HEAD_DIM + d[None, :], acc.to(dt))
 
 
@@ -692,13 +713,16 @@ def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, l
 
 
 def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, length: int, out: torch.Tensor, workspace: Workspace,
-              block_s: int | None = None, num_warps: int | None = None, chunk: int | None = None, one_launch: bool | None = None) -> None:
+              block_s: int | None = None, num_warps: int | None = None, chunk: int | None = None, one_launch: bool | None = None,
+              parts: int = 0, whole: int = 0) -> None:
     """out [M, heads * head_dim]: each query head over its row's cache, positions 0..its own.
 
     `chunk`: split the cache in chunks of that many positions, one program each (two passes: the
     softmax's statistics, then the values; in one launch on a GPU, in two with `one_launch` off and
-    in Triton's interpreter), where one program per head would leave SMs idle; else one program
-    per head loops over blocks of `block_s` positions."""
+    in Triton's interpreter), where one program per head would leave SMs idle; a context of `whole`
+    positions at most attended by `parts` programs per head instead, each weighing a share of the
+    value columns (defaults ATTENTION_WHOLE, at least a chunk, and ATTENTION_PARTS). Without
+    `chunk`, one program per head loops over blocks of `block_s` positions."""
     cache = attn.kv_cache
     scale, strides = attn.head_dim**-0.5, cache.k.stride()[:2]
     shape = dict(HEADS=attn.heads, GROUP=attn.heads // attn.kv_heads, HEAD_DIM=attn.head_dim)
@@ -714,8 +738,9 @@ def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, l
         one_launch = q.is_cuda if one_launch is None else one_launch
         for passes in (3,) if one_launch else (1, 2):
             _attention_split_kernel[grid](q, cache.k, cache.v, positions, stats, partial, locks, arrivals, out, length, scale, *strides, **shape,
-                                          CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), PASSES=passes,
-                                          num_warps=num_warps or 4, **launch_options(q.device))
+                                          CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks),
+                                          WHOLE=whole or max(chunk, ATTENTION_WHOLE), PARTS=min(parts or ATTENTION_PARTS, chunks, attn.head_dim),
+                                          PASSES=passes, num_warps=num_warps or 4, **launch_options(q.device))
         return
     # Blocks as long as the cache up to 128 positions: a code-predictor step (16 positions) is one
     # block. Measured on an H200 at 200 positions: 128 x 8 warps 9.7 us, 64 x 4 warps 14.1 us.
