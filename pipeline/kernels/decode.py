@@ -60,10 +60,16 @@ ATTENTION_CHUNKS: dict[int, tuple[int, int]] = {2048: (256, 8)}
 # A context of ATTENTION_WHOLE positions at most (the first ~17 s of an utterance) needs no exchange:
 # ATTENTION_PARTS programs per head each compute all of its scores and weigh a share of the value
 # columns (each reads a share of the values, the keys from L2 after the first). H200, us at 50 / 150 /
-# 256 positions (chunks of 256 x 8 warps): 1 part 4.7 / 4.8 / 4.8, 2 parts 4.1 / 4.2 / 4.4, 4 parts
+# 256 positions (chunks of 256 x 8 warps; the columns then in one group a part, not 4 groups over the
+# parts as now): 1 part 4.7 / 4.8 / 4.8, 2 parts 4.1 / 4.2 / 4.4, 4 parts
 # 3.6 / 3.7 / 3.9, 8 parts 3.7 / 3.8 / 4.0; a whole of 512 positions (8 parts) 5.3 / 5.4 / 5.5 and 5.6
 # at 300 (against 7.4 exchanging): slower where most steps are. In the step: 0.6B 2.842 -> 2.819 ms.
 ATTENTION_WHOLE = 256
+# Every launch uses 4 parts, whatever its rows: at 16 rows that is 1,024 programs, one per SM at a
+# time (the kernel's registers), and the 16-row engine's step took 4.06 ms against 3.76 with one
+# program per head the day before. Fewer parts for many rows would keep the rows' bits (the columns
+# are weighed in the same groups: `test_short_context_attention_has_the_same_bits_with_any_number_of_programs_per_head`),
+# not yet verified on a GPU.
 ATTENTION_PARTS = 4  # a power of two
 OVERLAP = True  # overlapped launches where the GPU has them (`overlapped`); off: every kernel waits for the previous to end
 # At most this many bytes of the next matmul's weights are asked into L2 ahead of time: under half
@@ -452,8 +458,8 @@ def arrive_and_wait(counter_ptr, target):
 @triton.jit
 def _attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr, partial_ptr, lock_ptr, arrival_ptr, out_ptr, L, scale, cache_row,
                             cache_head, HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                            CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, WHOLE: tl.constexpr, PARTS: tl.constexpr, PASSES: tl.constexpr,
-                            OVERLAP: tl.constexpr):
+                            CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, WHOLE: tl.constexpr, GROUPS: tl.constexpr, PARTS: tl.constexpr,
+                            PASSES: tl.constexpr, OVERLAP: tl.constexpr):
     """Attention over a cache split in chunks of CHUNK positions: program (chunk, query head, row m),
     chunks past the query's position doing nothing (a row's cache is read up to its own position only).
 
@@ -476,15 +482,19 @@ def _attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, stats_ptr,
     if count <= WHOLE:
         # A short context (WHOLE positions at most): the head's first PARTS programs (idle otherwise)
         # each compute every score, so each has the softmax's statistics with nothing to exchange, and
-        # weigh a 1/PARTS share of the value columns: each reads a share of the values, not all of them.
+        # weigh a share of the value columns: each reads a share of the values, not all of them. The
+        # columns are weighed in GROUPS groups whatever PARTS is (a program takes GROUPS / PARTS of
+        # them): the same sums in the same tiles, so the bits need not depend on PARTS.
         if chunk < PARTS and PASSES != 1:
             s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, m, head, 0, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, WHOLE)
-            d = chunk * (HEAD_DIM // PARTS) + tl.arange(0, HEAD_DIM // PARTS)
-            values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0)
             top = tl.max(s, axis=0)
             p = tl.where(offs_s < count, tl.exp(s - top), 0.0)
             p = _round(p / tl.sum(p, axis=0), out_ptr.dtype.element_ty)
-            tl.store(out_ptr + group * HEAD_DIM + d, tl.sum(p[:, None] * values.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty))
+            WIDTH: tl.constexpr = HEAD_DIM // GROUPS
+            for j in tl.static_range(GROUPS // PARTS):
+                d = (chunk * (GROUPS // PARTS) + j) * WIDTH + tl.arange(0, WIDTH)
+                values = tl.load(v_cache_ptr + base + offs_s[:, None] * HEAD_DIM + d[None, :], mask=(offs_s < count)[:, None], other=0.0)
+                tl.store(out_ptr + group * HEAD_DIM + d, tl.sum(p[:, None] * values.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty))
     elif chunk < active:
         s, offs_s, base = _chunk_scores(q_ptr, k_cache_ptr, m, head, chunk, count, L, scale, cache_row, cache_head, HEADS, GROUP, HEAD_DIM, CHUNK)
         # the values leave with the keys: their round trip overlaps the statistics' exchange
@@ -607,7 +617,7 @@ TUNED: dict[tuple[str, int, int], Tiles] = {
     ("linear2", 3072, 1024): Tiles(block_n=32, num_stages=4),  # gate/up, 0.6B and every code predictor
     ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o projection, 1.7B
     ("linear1", 2048, 6144): Tiles(block_n=32, split_k=8),  # down, 1.7B
-    ("linear2", 6144, 2048): Tiles(block_n=32),  # gate/up, 1.7B
+    ("linear2", 6144, 2048): Tiles(block_n=64),  # gate/up, 1.7B (block_n 32 until the tenth session's sweep: 3.436 -> 3.415 ms)
     ("linear0", 2048, 1024): Tiles(block_n=32),  # the code predictor's heads
     ("linear0", 3072, 1024): Tiles(num_stages=4),  # the 0.6B's talker head
 }
@@ -736,11 +746,14 @@ def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, l
         partial, locks = workspace.get(heads, chunks, attn.head_dim, q.device)
         stats, arrivals = workspace.stats(heads * chunks * 2, q.device), workspace.arrivals(heads, q.device)
         one_launch = q.is_cuda if one_launch is None else one_launch
+        groups = max(parts, min(ATTENTION_PARTS, attn.head_dim, 1 << (chunks.bit_length() - 1)))
+        parts = parts or groups
+        assert groups % parts == 0 and parts <= min(chunks, attn.head_dim), f"{parts} programs per head: not a power of two up to {groups}"
         for passes in (3,) if one_launch else (1, 2):
             _attention_split_kernel[grid](q, cache.k, cache.v, positions, stats, partial, locks, arrivals, out, length, scale, *strides, **shape,
                                           CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks),
-                                          WHOLE=whole or max(chunk, ATTENTION_WHOLE), PARTS=min(parts or ATTENTION_PARTS, chunks, attn.head_dim),
-                                          PASSES=passes, num_warps=num_warps or 4, **launch_options(q.device))
+                                          WHOLE=whole or max(chunk, ATTENTION_WHOLE), GROUPS=groups, PARTS=parts, PASSES=passes,
+                                          num_warps=num_warps or 4, **launch_options(q.device))
         return
     # Blocks as long as the cache up to 128 positions: a code-predictor step (16 positions) is one
     # block. Measured on an H200 at 200 positions: 128 x 8 warps 9.7 us, 64 x 4 warps 14.1 us.
