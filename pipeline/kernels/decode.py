@@ -5,9 +5,9 @@
    the head's norm stay in the program);
 2. attention of one query head over its row's cache up to the query's position (not the whole
    cache: a row reads only what it has written); for the talker's long cache, a short context
-   attended by a few programs per head that each weigh a share of the value columns, a long one
-   split in chunks of positions, a program each, whose softmax statistics the chunks exchange
-   within the launch;
+   attended without exchange (by ATTENTION_PARTS programs per head, each weighing a share of the
+   value columns), a long one split in chunks of positions, a program each, whose softmax
+   statistics the chunks exchange within the launch;
 3. output projection with the residual add in the epilogue;
 4. post-attention RMSNorm in the prologue of the gate/up projection, SiLU(gate) * up in its epilogue;
 5. down projection with the residual add in the epilogue.
@@ -65,12 +65,14 @@ ATTENTION_CHUNKS: dict[int, tuple[int, int]] = {2048: (256, 8)}
 # 3.6 / 3.7 / 3.9, 8 parts 3.7 / 3.8 / 4.0; a whole of 512 positions (8 parts) 5.3 / 5.4 / 5.5 and 5.6
 # at 300 (against 7.4 exchanging): slower where most steps are. In the step: 0.6B 2.842 -> 2.819 ms.
 ATTENTION_WHOLE = 256
-# Every launch uses 4 parts, whatever its rows: at 16 rows that is 1,024 programs, one per SM at a
-# time (the kernel's registers), and the 16-row engine's step took 4.06 ms against 3.76 with one
-# program per head the day before. Fewer parts for many rows would keep the rows' bits (the columns
-# are weighed in the same groups: `test_short_context_attention_has_the_same_bits_with_any_number_of_programs_per_head`),
-# not yet verified on a GPU.
-ATTENTION_PARTS = 4  # a power of two
+# One part by default: 4 parts in every launch made the 1-row step 0.02 ms faster (0.6B 2.842 ->
+# 2.819 ms, 1.7B 3.446 -> 3.420, same call) but the 16-row engine slower at 8 and 16 rows running
+# (3.48 / 4.06 ms against 3.36 / 3.76 the day before): 1,024 programs at 16 rows, one per SM at a time
+# (the kernel's registers). A launch could take 4 parts for few rows and 1 for many if a row's bits do
+# not depend on the parts (the columns are weighed in the same groups:
+# `test_short_context_attention_has_the_same_bits_with_any_number_of_programs_per_head`); not yet
+# verified on a GPU, where that test would show it.
+ATTENTION_PARTS = 1  # a power of two
 OVERLAP = True  # overlapped launches where the GPU has them (`overlapped`); off: every kernel waits for the previous to end
 # At most this many bytes of the next matmul's weights are asked into L2 ahead of time: under half
 # the L2 of an H100 / H200 (50 MB), so lines are not pushed out before they are read.
@@ -731,8 +733,9 @@ def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, l
     softmax's statistics, then the values; in one launch on a GPU, in two with `one_launch` off and
     in Triton's interpreter), where one program per head would leave SMs idle; a context of `whole`
     positions at most attended by `parts` programs per head instead, each weighing a share of the
-    value columns (defaults ATTENTION_WHOLE, at least a chunk, and ATTENTION_PARTS). Without
-    `chunk`, one program per head loops over blocks of `block_s` positions."""
+    value columns (defaults ATTENTION_WHOLE, at least a chunk, and ATTENTION_PARTS; the columns are
+    weighed in max(parts, ATTENTION_PARTS) groups). Without `chunk`, one program per head loops over
+    blocks of `block_s` positions."""
     cache = attn.kv_cache
     scale, strides = attn.head_dim**-0.5, cache.k.stride()[:2]
     shape = dict(HEADS=attn.heads, GROUP=attn.heads // attn.kv_heads, HEAD_DIM=attn.head_dim)
