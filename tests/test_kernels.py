@@ -222,12 +222,15 @@ code_predictor = ptx(persistent, types, dict(
     GU_BN=32, GU_BK=256, GU_SPLIT=1, D_BN=32, D_BK=128, D_SPLIT=8, HD_BN=16, HD_BK=256, HD_SPLIT=1, GRID_SYNC=True, OVERLAP=on))
 barrier = {"arrive": re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", code_predictor) is not None,
            "wait": re.search(r"(ld|atom)[.][.a-z]*acquire", code_predictor) is not None}
-split = ptx(kernels._attention_split_kernel, {**dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16"),
-                                              "stats_ptr": "*fp32", "partial_ptr": "*fp32", "pos_ptr": "*i64", "lock_ptr": "*i32",
-                                              "arrival_ptr": "*i32", "L": "i32", "scale": "fp32", "cache_row": "i32", "cache_head": "i32"},
-            dict(HEADS=16, GROUP=2, HEAD_DIM=128, CHUNK=256, CHUNKS=8, CHUNKS_P2=8, WHOLE=256, GROUPS=4, PARTS=4, PASSES=3, OVERLAP=on))
-barrier["attention"] = (re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", split) is not None
-                        and re.search(r"(ld|atom)[.][.a-z]*acquire", split) is not None and "ld.global.cg" in split)
+barrier["attention"] = True
+for groups, parts in ((1, 1), (4, 1), (4, 4)):  # the default, and the value columns in 4 groups over 1 or 4 programs
+    split = ptx(kernels._attention_split_kernel, {**dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16"),
+                                                  "stats_ptr": "*fp32", "partial_ptr": "*fp32", "pos_ptr": "*i64", "lock_ptr": "*i32",
+                                                  "arrival_ptr": "*i32", "L": "i32", "scale": "fp32", "cache_row": "i32", "cache_head": "i32"},
+                dict(HEADS=16, GROUP=2, HEAD_DIM=128, CHUNK=256, CHUNKS=8, CHUNKS_P2=8, WHOLE=256, GROUPS=groups, PARTS=parts, PASSES=3,
+                     OVERLAP=on))
+    barrier["attention"] &= (re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", split) is not None
+                             and re.search(r"(ld|atom)[.][.a-z]*acquire", split) is not None and "ld.global.cg" in split)
 print(json.dumps({**{name: {word: word in text for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")}
                      for name, text in (("linear", linear), ("sample", sample), ("code", code), ("token", token),
                                         ("code_predictor", code_predictor))}, "barrier": barrier, "split_k_atomics": atomics}))
