@@ -18,7 +18,7 @@ from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import torch_device
 from pipeline.omni import MAX_REPLY_TOKENS
 from pipeline.outputs import check_output_dir, check_output_path
-from pipeline.request import SpeechRequest
+from pipeline.request import SpeechRequest, load_json
 
 EXIT_BAD_INPUT = 2
 EXIT_BAD_CHECKPOINT = 3
@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         synth.add_argument(flag, type=kind, help="the talker's sampling (default: the checkpoint's generation_config.json)")
     for flag, kind in (("--subtalker-temperature", float), ("--subtalker-top-k", int), ("--subtalker-top-p", float)):
         synth.add_argument(flag, type=kind, help="the code predictor's sampling (default: the checkpoint's generation_config.json)")
-    synth.add_argument("--max-frames", type=int, help="at most this many 80 ms frames (fewer if the model ends the utterance; default: the checkpoint's max_new_tokens - 1)")
+    synth.add_argument("--max-frames", type=int, help="at most this many 80 ms frames for the whole text, at most the checkpoint's max_new_tokens - 1 "
+                                                      "(default: each segment of the text up to that many; a warning on stderr says what is left unspoken)")
     synth.add_argument("--out", required=True, type=Path, help="output audio file (.wav, .flac or .ogg) (required)")
     synth.add_argument("--codes-out", type=Path, help="save the generated codes as int64 [frames, 16] .npy (default: none)")
 
@@ -154,9 +155,12 @@ def read_batch(path: Path) -> list[BatchLine]:
         item = BatchLine(number, "?")
         parsed.append(item)
         try:
-            data = json.loads(line)
+            data = load_json(line)
         except json.JSONDecodeError as exc:
             item.error = f"not valid JSON ({exc.msg})"
+            continue
+        except TTSInputError as exc:
+            item.error = str(exc)
             continue
         try:
             item.name = _batch_name(data, names)
@@ -225,27 +229,24 @@ def synth_batch(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> None:
     from pipeline.audio import load_message_audio
-    from pipeline.loading import read_json, resolve_checkpoint
+    from pipeline.loading import load_text_tokenizer, resolve_checkpoint
     from pipeline.omni import MAX_AUDIO_SECONDS, ChatRequest, OmniChat, PromptIds, Turn
     from pipeline.omni.chat import REQUIRED_FILES as OMNI_FILES
-    from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, check_turns
+    from pipeline.omni.chat import read_config as read_omni_config
+    from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, check_control_tokens
 
     for path, kind in ((args.out, "audio"), (args.text_out, "text"), (args.codes_out, "codes")):
         if path is not None:
             check_output_path(path, kind)
     audio = load_message_audio(args.audio, AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS) if args.audio is not None else None
-    turns = [Turn("user", args.text, audio)]
-    check_turns(turns)
-    if not 1 <= args.max_new_tokens <= MAX_REPLY_TOKENS:
-        raise TTSInputError(f"--max-new-tokens must be from 1 to {MAX_REPLY_TOKENS}, not {args.max_new_tokens}.")
-    if args.max_frames is not None and args.max_frames < 1:
-        raise TTSInputError(f"--max-frames must be at least 1, not {args.max_frames}.")
+    request = ChatRequest([Turn("user", args.text, audio)], system=args.system or "", speaker=args.speaker, greedy=args.greedy, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, max_frames=args.max_frames).validate()
     torch_device(args.device)
     directory = resolve_checkpoint(args.model, OMNI_FILES)
-    PromptIds.from_config(read_json(directory, "config.json")).speaker(args.speaker)  # before the weights load
+    # Before the weights load: the speaker from config.json, control tokens in the text from the tokenizer.
+    PromptIds.from_config(read_omni_config(directory)).speaker(args.speaker)
+    check_control_tokens(load_text_tokenizer(directory), request.turns, request.system)
     model = OmniChat.from_pretrained(str(directory), device=args.device, dtype=args.dtype)
-    request = ChatRequest(turns, system=args.system or "", speaker=args.speaker, greedy=args.greedy, seed=args.seed,
-                          max_new_tokens=args.max_new_tokens, max_frames=args.max_frames)
     start = time.perf_counter()
     reply = model.reply(request)
     wall = time.perf_counter() - start
@@ -262,6 +263,7 @@ def chat(args: argparse.Namespace) -> None:
 def make_tiny(args: argparse.Namespace) -> None:
     from pipeline.tiny import write_tiny_checkpoint, write_tiny_omni_checkpoint
 
+    check_output_dir(args.outdir)
     if args.type == "omni":
         write_tiny_omni_checkpoint(args.outdir, args.seed)
     else:

@@ -1,5 +1,10 @@
 class TTSInputError(ValueError):
-    """A request the model cannot serve, described in one sentence a user can act on."""
+    """A request the model cannot serve, described in one sentence a user can act on; `field` names the
+    request field at fault where there is one (the API reports it as the error's `param`)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class CheckpointError(RuntimeError):

@@ -6,20 +6,25 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from pipeline.config_types import ROPE, check_config, dataclass_schema
 from pipeline.errors import CheckpointError, TTSInputError
-from pipeline.model import MODEL_TYPES, Qwen3TTS, TTSConfig
+from pipeline.model import MODEL_TYPES, CodePredictorConfig, Qwen3TTS, TalkerConfig, TTSConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+# The keys of a Qwen3-TTS config.json that TTSConfig.from_dict reads, by their JSON types, and
+# `architectures`, which transformers checks when AutoTokenizer reads the file.
+TTS_CONFIG = dataclass_schema(TTSConfig, {TTSConfig: {"architectures": list[str] | None}, TalkerConfig: {"rope_parameters": ROPE},
+                                          CodePredictorConfig: {"rope_parameters": ROPE}})
 REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -212,6 +217,7 @@ def _check_shapes(model: Qwen3TTS, state: dict[str, torch.Tensor], directory: Pa
 
 def load_model(directory: Path, device: torch.device, dtype: torch.dtype) -> Qwen3TTS:
     raw = read_json(directory, "config.json")
+    check_config(directory / "config.json", raw, TTS_CONFIG)
     if raw.get("tts_model_type") not in MODEL_TYPES:
         raise CheckpointError(
             f"{directory / 'config.json'} has tts_model_type {raw.get('tts_model_type')!r}; "

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Queued, SamplingConfig
+from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Queued, SamplingConfig, Waiting
 from pipeline.omni import HUB_ID as OMNI_HUB_ID
 from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, ChatRequest, OmniChat, TextDelta, Turn
 from pipeline.errors import CheckpointError, TTSInputError
@@ -31,7 +31,7 @@ from pipeline.tts import SAMPLES_PER_FRAME, TTS, VoicePrompt
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_SCHEDULE", "DEFAULT_SPEAKER", "DEFAULT_SYSTEM_PROMPT", "MAX_AUDIO_SECONDS", "MAX_REPLY_TOKENS", "ChatEnd", "ChatRequest", "Chunk", "ModelInfo",
-           "ModelService", "Queued", "SpeechRequest", "StreamEnd", "StreamStart", "TTSInputError", "TextDelta", "Turn", "VoiceInfo", "parse_models"]
+           "ModelService", "Queued", "SpeechRequest", "StreamEnd", "StreamStart", "TTSInputError", "TextDelta", "Turn", "VoiceInfo", "Waiting", "parse_models"]
 
 # The official checkpoints per model type; the first is each tab's default.
 HUB_CHECKPOINTS: dict[str, tuple[str, ...]] = {
@@ -333,10 +333,11 @@ class ModelService:
 
     # ---- streaming ---------------------------------------------------------------------------
 
-    def stream(self, request: SpeechRequest, key: str = "") -> Iterator[StreamStart | Queued | Chunk | StreamEnd]:
+    def stream(self, request: SpeechRequest, key: str = "", wait: bool = True) -> Iterator[StreamStart | Queued | Chunk | StreamEnd | Waiting]:
         """Validate `request` (TTSInputError before anything is generated), then yield a `StreamStart`,
         `Queued` records while it waits for a row, the audio `Chunk`s, and a `StreamEnd`.
-        `stop(key)` ends it within one frame; so does closing the generator."""
+        `stop(key)` ends it within one frame; so does closing the generator. With `wait=False`, a
+        `Waiting` stands where it would block (for an event loop, which then holds no thread)."""
         request.validate()
         if request.model_type not in MODEL_TYPES:
             raise TTSInputError(f"Unknown model type {request.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
@@ -351,15 +352,16 @@ class ModelService:
         self._running.add(key, handle)
         try:
             yield StreamStart(source, self.random_weights(request.model_type, source), list(handle.warnings))
-            yield from handle.events()
+            yield from handle.events(wait)
             yield StreamEnd(handle.stopped, list(dict.fromkeys(handle.warnings)))
         finally:
             handle.close()
             self._running.remove(key, handle)
 
-    def chat(self, request: ChatRequest, checkpoint: str | None = None, key: str = "") -> Iterator[StreamStart | TextDelta | Queued | Chunk | ChatEnd | StreamEnd]:
-        """Omni chat: like `stream`, with the reply's text deltas and a ChatEnd before the StreamEnd.
-        A new chat under the same `key` stops the one before it."""
+    def chat(self, request: ChatRequest, checkpoint: str | None = None, key: str = "",
+             wait: bool = True) -> Iterator[StreamStart | TextDelta | Queued | Chunk | ChatEnd | StreamEnd | Waiting]:
+        """Omni chat: like `stream` (`wait` included), with the reply's text deltas and a ChatEnd before
+        the StreamEnd. A new chat under the same `key` stops the one before it."""
         source = checkpoint or self.default_checkpoint(OMNI)
         model = self.model(OMNI, source)
         reply = model.stream(request)  # a full engine queue is found later, as a TTSInputError of the stream
@@ -367,7 +369,7 @@ class ModelService:
         try:
             yield StreamStart(source, self.random_weights(OMNI, source), list(reply.warnings))
             end = None
-            for event in reply:
+            for event in reply.items(wait):
                 end = event if isinstance(event, ChatEnd) else end
                 yield event
             yield StreamEnd(end.stopped, list(dict.fromkeys(end.warnings)))

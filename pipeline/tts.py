@@ -200,6 +200,7 @@ class TTS:
     def check(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> list[str]:
         """The checkpoint-dependent checks of a request (model-independent ones first); returns warnings."""
         request.validate()
+        request.check_for_checkpoint(self.model_type, self.default_max_frames())
         speaker = self._speaker(request.speaker)
         self._language_id(request.language, speaker)
         if self.model_type == "base":
@@ -262,14 +263,18 @@ class TTS:
         prompts = [self.prompt(segment, request.language, request.speaker, instruct, voice) for segment in segments]
         sampling = self.sampling(request.greedy, **request.sampling_overrides())
         seed = random.getrandbits(31) if request.seed is None else request.seed
-        max_frames = self.default_max_frames() if request.max_frames is None else request.max_frames
+        # Each segment may speak for as long as the checkpoint lets one utterance speak: a long text is
+        # spoken whole. A request's own max_frames caps the whole text (the engine warns if that leaves segments unspoken).
+        per_segment = self.default_max_frames()
+        max_frames = per_segment * len(segments) if request.max_frames is None else request.max_frames
         job = Job(
-            [Segment(p.prefill, p.trailing_text, True) for p in prompts],
+            [Segment(p.prefill, p.trailing_text, True, chars=len(segment)) for p, segment in zip(prompts, segments)],
             sampling,
             seed,
             max_frames,
             tuple(request.schedule),
             voice.vocoder_state if voice is not None and voice.icl else None,
+            segment_frames=per_segment,
         )
         return job, warnings
 

@@ -5,6 +5,7 @@ import struct
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,16 @@ def tiny_checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     return {kind: write_tiny_checkpoint(root / kind, kind, seed=0) for kind in ("base", "custom_voice", "voice_design")}
+
+
+@pytest.fixture(scope="session")
+def official_runner():
+    """The official qwen_tts code in a process of its own, on the transformers it needs (tests/reference_runner.py)."""
+    from reference_runner import Reference
+
+    runner = Reference()
+    yield runner
+    runner.close()
 
 
 @pytest.fixture(scope="session")
@@ -81,18 +92,45 @@ def live_app(tiny_checkpoints, tmp_path_factory):
 
 
 def read_pcm(url: str, run_id: str, out: list, opened: threading.Event) -> None:
-    """The browser's side of the audio path: frames of the run's PCM stream, as they arrive."""
-    import httpx
+    """The browser's side of the audio path: the run's PCM stream asked for (`opened` is set once the
+    request is sent: as the page's, it reaches the server before its run starts, and is answered when
+    the run starts), then its frames as they arrive."""
+    import http.client
+    from urllib.parse import urlsplit
 
-    with httpx.stream("GET", f"{url}pcm/{run_id}", timeout=60) as response:
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        connection.request("GET", f"{parts.path}pcm/{run_id}")
         opened.set()
+        response = connection.getresponse()
         buffer = b""
-        for data in response.iter_bytes():
+        while data := response.read1(1 << 16):
             buffer += data
             while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack("<I", buffer[:4])[0]:
                 length = struct.unpack("<I", buffer[:4])[0]
                 out.append((time.perf_counter(), buffer[4 : 4 + length]))
                 buffer = buffer[4 + length :]
+    finally:
+        connection.close()
+
+
+@contextmanager
+def serving(app):
+    """`app` (ASGI) on a real server on a free localhost port, in a thread of this process: its URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():  # hang guard: the thread ends if the server cannot start
+        time.sleep(0.02)
+    assert server.started, "the server did not start"
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def tables(outputs: list) -> list[list]:

@@ -35,6 +35,7 @@ def b64(data: bytes) -> str:
 
 
 REF_TEXT = "Speak slowly."
+HANG_GUARD_S = 600  # ends a wait for something that never comes; no wait decides pass or fail by its duration
 
 
 def test_models_lists_what_is_served(api):
@@ -185,7 +186,7 @@ def test_bad_saved_voices_get_json_errors(api, voice_file, reference_wav):
     ({"input": "Hi.", "task_type": "Talking"}, 400, "'task_type' is one of CustomVoice, VoiceDesign, Base"),
     ({"input": "Hi.", "colour": "red"}, 400, "Unknown field 'colour'."),
     ({"input": "Hi.", "voice": "ryan", "temperature": -1}, 400, "temperature"),
-    ({"input": "Hi.", "voice": "ryan", "response_format": "pcm", "stream_format": "sse"}, 400, "'stream_format' is 'audio' here"),
+    ({"input": "Hi.", "voice": "ryan", "response_format": "pcm", "stream_format": "events"}, 400, "'stream_format' is 'audio' (raw audio bytes) or 'sse'"),
     ({"input": "Hi.", "voice": "ryan", "schedule": "1, two"}, 400, "comma-separated list of frame counts"),
 ])
 def test_bad_requests_get_json_errors(api, body, status, message):
@@ -207,15 +208,16 @@ def test_a_client_that_goes_away_frees_its_row(api):
 
     client, service = api
     engine = service.model("custom_voice", TINY).engine
-    body = {"input": "A long story that the listener will not wait for.", "voice": "ryan", "response_format": "pcm", "stream": True,
-            "seed": 5, "max_new_tokens": 2000}
+    body = {"input": LONG_TEXT, "voice": "ryan", "response_format": "pcm", "stream": True, "seed": 5}
     with client.stream("POST", "/v1/audio/speech", json=body) as response:
         first = next(response.iter_bytes())
         assert first and any(engine.slots)
-    deadline = time.monotonic() + 10
-    while any(engine.slots) and time.monotonic() < deadline:
+        (held,) = [row.handle for row in engine.slots if row]
+    deadline = time.monotonic() + HANG_GUARD_S
+    while any(engine.slots):
+        assert time.monotonic() < deadline, "the row of a client that went away is still taken"
         time.sleep(0.05)
-    assert not any(engine.slots)  # stopped long before its 2000 frames (160 s of audio at ~real time here)
+    assert held.stopped  # stopped, not run to the end of its segments
 
 
 def access_client(service, **access):
@@ -228,6 +230,9 @@ def access_client(service, **access):
 
 
 BODY = {"input": "Hello there.", "voice": "ryan", "response_format": "pcm", "seed": 1, "max_new_tokens": 4}
+# A text of many segments, each with its own frame limit: a stream that outlasts whatever a test does while it runs.
+LONG_TEXT = " ".join(["A long story that the listener will not wait for."] * 30)
+LONG = {**BODY, "input": LONG_TEXT, "stream": True, "max_new_tokens": None}
 
 
 def test_the_api_key(api):
@@ -249,15 +254,15 @@ def test_a_public_server_without_a_key_keeps_the_api_off(api):
 def test_requests_in_flight_per_client_are_limited(api):
     _, service = api
     client = access_client(service, per_client=1)
-    long = {**BODY, "stream": True, "max_new_tokens": 2000}
-    with client.stream("POST", "/v1/audio/speech", json=long) as first:
+    with client.stream("POST", "/v1/audio/speech", json=LONG) as first:
         assert next(first.iter_bytes())
         second = client.post("/v1/audio/speech", json=BODY)
         assert second.status_code == 429 and "1 requests of this client are already running" in second.json()["error"]["message"]
     import time
 
-    deadline = time.monotonic() + 10  # the first stream ended (its client went away): the client may call again
-    while (status := client.post("/v1/audio/speech", json=BODY).status_code) == 429 and time.monotonic() < deadline:
+    deadline = time.monotonic() + HANG_GUARD_S  # the first stream ended (its client went away): the client may call again
+    while (status := client.post("/v1/audio/speech", json=BODY).status_code) == 429:
+        assert time.monotonic() < deadline, "the client's ended stream still counts against it"
         time.sleep(0.1)
     assert status == 200
 
@@ -278,7 +283,101 @@ def test_a_full_engine_queue_is_a_429_and_a_refused_request_leaves_no_file(api, 
         assert refused.status_code == 429 and "requests ahead; try again shortly" in refused.json()["error"]["message"]
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the server writes reference files
     clone = {"input": "Hi.", "task_type": "Base", "ref_audio": base64.b64encode(reference_wav.read_bytes()).decode(), "ref_text": "Hello."}
-    with client.stream("POST", "/v1/audio/speech", json={**BODY, "stream": True, "max_new_tokens": 2000}) as first:
+    with client.stream("POST", "/v1/audio/speech", json=LONG) as first:
         assert next(first.iter_bytes())
         assert client.post("/v1/audio/speech", json=clone).status_code == 429
         assert list(tmp_path.iterdir()) == []
+
+
+# ---- a request waiting for a row holds no worker thread ----
+
+THREADS = 2  # the worker threads the whole server has, here: fewer than the streams that wait
+
+
+@pytest.fixture(scope="module")
+def one_row(tiny_checkpoints):
+    """The speech API alone on a real server whose engine has one row and whose event loop has
+    THREADS worker threads: (url, the CustomVoice model)."""
+    import contextlib
+    from pathlib import Path
+
+    import anyio
+    from starlette.applications import Starlette
+
+    from conftest import serving
+    from pipeline.server import Access, speech_routes
+    from pipeline.service import ModelService
+
+    @contextlib.asynccontextmanager
+    async def few_threads(app):
+        anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
+        yield
+
+    service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent, rows=1)
+    tts = service.model("custom_voice", TINY)
+    with serving(Starlette(routes=speech_routes(service, Access(per_client=100)), lifespan=few_threads)) as url:
+        yield url, tts
+
+
+def hold_the_row(tts):
+    """A real request whose text is still coming: it keeps the engine's one row, making no frames
+    once its text is spoken, until it is closed."""
+    job, _ = tts.prepare(SpeechRequest("Hello.", speaker="ryan", seed=1).validate())
+    job.segments[-1].text_end = False
+    return tts.engine.submit(job)
+
+
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    """Hang guard only: the condition holds within a moment when the code works."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_streams_waiting_for_a_row_hold_no_worker_thread(one_row):
+    """More streams than the server has worker threads wait for the one row; a request that needs a
+    thread (describing a model) is answered meanwhile, and the waiting streams' clients going away
+    frees their places in the queue while the row is still taken."""
+    import contextlib
+
+    url, tts = one_row
+    holder = hold_the_row(tts)
+    waiting = THREADS + 3
+    try:
+        with contextlib.ExitStack() as streams:
+            readers = []  # kept: a reader dropped closes its connection
+            for _ in range(waiting):
+                response = streams.enter_context(httpx.stream("POST", f"{url}/v1/audio/speech", timeout=60,
+                                                              json={**BODY, "response_format": "wav", "stream": True, "max_new_tokens": 8}))
+                readers.append(response.iter_bytes())
+                assert response.status_code == 200 and next(readers[-1])[:4] == b"RIFF"  # then it waits for its first chunk
+            assert len(tts.engine.waiting) == waiting
+            described = httpx.get(f"{url}/v1/models/{TINY}", params={"task_type": "CustomVoice"}, timeout=60)
+            assert described.status_code == 200 and described.json()["voices"] == tts.speakers
+        wait_until(lambda: not tts.engine.waiting, "the queue still holds the streams whose clients went away")
+        assert not holder.closed
+    finally:
+        holder.close()
+    whole = httpx.post(f"{url}/v1/audio/speech", json={**BODY, "response_format": "pcm"}, timeout=60)
+    assert whole.status_code == 200 and len(whole.content) > 0  # the row serves again
+
+
+def test_whole_responses_waiting_for_a_row_hold_no_worker_thread(one_row):
+    """The same for requests that are answered as one file once their audio is made."""
+    import concurrent.futures
+
+    url, tts = one_row
+    holder = hold_the_row(tts)
+    waiting = THREADS + 3
+    with concurrent.futures.ThreadPoolExecutor(waiting) as clients:
+        try:
+            replies = [clients.submit(httpx.post, f"{url}/v1/audio/speech", json=BODY, timeout=120) for _ in range(waiting)]
+            wait_until(lambda: len(tts.engine.waiting) == waiting, "the requests did not reach the engine's queue")
+            described = httpx.get(f"{url}/v1/models/{TINY}", params={"task_type": "CustomVoice"}, timeout=60)
+            assert described.status_code == 200 and not any(reply.done() for reply in replies)
+        finally:
+            holder.close()
+        assert all(reply.result().status_code == 200 and reply.result().content for reply in replies)

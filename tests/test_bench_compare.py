@@ -1,7 +1,8 @@
 """pipeline.bench_compare on CPU, at tiny sizes: the checkpoint it writes loads in ours and in the
 official package with every tensor and gives both the same greedy codes, every frame asked for; its
 real-size configs build the same tensors in both; ours and the official path measure through the
-same functions as on the GPU; the report (markdown, merge, PNG) renders."""
+same functions as on the GPU; the report (markdown, merge, PNG) renders. The official code runs in a
+process of its own, on the transformers it needs (tests/reference_runner.py)."""
 import copy
 import json
 
@@ -24,89 +25,64 @@ def checkpoints(tmp_path_factory):
     return {kind: bc.write_random_checkpoint(root / kind, kind, tiny_config, TINY_SPEECH_TOKENIZER_CONFIG) for kind in bc.TYPES}
 
 
-@pytest.fixture(scope="module")
-def official(checkpoints):
-    return {kind: bc.load_official(path, "cpu") for kind, path in checkpoints.items()}
-
-
 @pytest.mark.parametrize("kind", bc.TYPES)
-def test_official_loads_every_written_tensor(checkpoints, official, kind):
+def test_official_loads_every_written_tensor(checkpoints, official_runner, kind):
     # from_pretrained only warns about missing or unexpected weights: compare them all here.
-    model = official[kind].model
-    for module, file in ((model, checkpoints[kind] / "model.safetensors"),
-                         (model.speech_tokenizer.model, checkpoints[kind] / "speech_tokenizer" / "model.safetensors")):
-        written, loaded = load_file(file), module.state_dict()
+    state, meta = official_runner.run("official_state", path=str(checkpoints[kind]))
+    for prefix, file in (("model.", checkpoints[kind] / "model.safetensors"),
+                         ("tokenizer.", checkpoints[kind] / "speech_tokenizer" / "model.safetensors")):
+        written = load_file(file)
+        loaded = {name.removeprefix(prefix): t for name, t in state.items() if name.startswith(prefix)}
         assert set(loaded) == set(written)
         for name, tensor in written.items():
             torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
-    eos = model.config.talker_config.codec_eos_token_id
-    assert not model.talker.codec_head.weight[eos].any() and model.talker.codec_head.weight.any()
+    head = state["model.talker.codec_head.weight"]
+    assert not head[meta["eos"]].any() and head.any()
 
 
-def official_codes(reference, **kwargs) -> torch.Tensor:
-    """The codes the official generate_custom_voice makes (its model's generate, spied on)."""
-    captured = {}
-    generate = reference.model.generate
-
-    def spy(*args, **kw):
-        out = generate(*args, **kw)
-        captured["codes"] = out[0][0]
-        return out
-
-    reference.model.generate = spy
-    try:
-        reference.generate_custom_voice(**kwargs)
-    finally:
-        del reference.model.generate
-    return captured["codes"]
-
-
-def test_same_greedy_codes_and_every_frame(checkpoints, official):
+def test_same_greedy_codes_and_every_frame(checkpoints, official_runner):
     text = bc.TEXT_20_WORDS
     ours = TTS.from_pretrained(str(checkpoints["custom_voice"]))
     codes = ours.synthesize(SpeechRequest(text, speaker=bc.SPEAKER, language=bc.LANGUAGE, greedy=True, max_frames=FRAMES)).codes
-    reference = official_codes(official["custom_voice"], text=text, speaker=bc.SPEAKER, language=bc.LANGUAGE,
-                               do_sample=False, subtalker_dosample=False, max_new_tokens=FRAMES + 1)
+    kwargs = dict(text=text, speaker=bc.SPEAKER, language=bc.LANGUAGE, do_sample=False, subtalker_dosample=False, max_new_tokens=FRAMES + 1)
+    reference = official_runner.run("official_codes", path=str(checkpoints["custom_voice"]), kwargs=kwargs)[0]["codes"]
     assert codes.shape == (FRAMES, 16)  # EOS never won: every frame asked for
     np.testing.assert_array_equal(codes, reference.numpy())
 
 
 @pytest.mark.parametrize("size", list(bc.SIZES))
-def test_real_size_tensors_are_the_official_ones(tmp_path, size):
+def test_real_size_tensors_are_the_official_ones(tmp_path, size, official_runner):
     """The real-size config.json and speech_tokenizer/config.json build the same tensor names and
     shapes in ours and in the official classes (on the meta device: nothing is allocated)."""
-    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
-    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
-    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
-
     from pipeline.codec import SpeechTokenizer, SpeechTokenizerConfig
     from pipeline.model import Qwen3TTS, TTSConfig
 
     def shapes(module):
-        return {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        return {name: list(t.shape) for name, t in module.state_dict().items()}
 
     special_ids = write_tiny_text_tokenizer(tmp_path)
+    codec = bc.real_speech_tokenizer_config()
     for kind in bc.TYPES:
         config = bc.real_size_config(size, kind, special_ids)
+        reference = official_runner.run("official_shapes", config=copy.deepcopy(config), codec=copy.deepcopy(codec))[1]
         with torch.device("meta"):
             ours = shapes(Qwen3TTS(TTSConfig.from_dict(config)))
-            reference = shapes(Qwen3TTSForConditionalGeneration(Qwen3TTSConfig.from_dict(copy.deepcopy(config))))
-        assert ours == reference
-    codec = bc.real_speech_tokenizer_config()
+        assert ours == reference["model"]
     with torch.device("meta"):
         ours = shapes(SpeechTokenizer(SpeechTokenizerConfig.from_dict(codec)))
-        reference = shapes(Qwen3TTSTokenizerV2Model(Qwen3TTSTokenizerV2Config.from_dict(copy.deepcopy(codec))))
-    assert ours == reference
+    assert ours == reference["codec"]
 
 
 @pytest.fixture(scope="module")
-def measured(checkpoints, official):
-    """Ours (1 and 8 streams) and the official path on both checkpoints, through the GPU run's functions."""
+def measured(checkpoints, official_runner):
+    """Ours (1 and 8 streams) and the official path on both checkpoints, through the GPU run's functions
+    (the official one, bench_official, in the reference's process)."""
     results = []
     for kind in bc.TYPES:
         inputs = bc.Inputs.for_type(kind)
         runs = dict(bc.bench_ours(checkpoints[kind], kind, inputs, FRAMES, 1, 2, device="cpu", compiled=False))
-        runs.update((key, bc.measure(call, FRAMES, 1, 2)) for key, call in bc.official_calls(official[kind], kind, inputs).items())
+        official = official_runner.run("official_bench", path=str(checkpoints[kind]), model_type=kind, frames=FRAMES, runs=1, warm_frames=2)[1]
+        runs.update((key, [bc.Run(**run) for run in measured]) for key, measured in official.items())
         results += [bc.Result("tiny", kind, key, FRAMES, bc.OUR_STREAMS if key == "ours_8" else 1, r) for key, r in runs.items()]
     return results
 

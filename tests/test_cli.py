@@ -109,7 +109,7 @@ def test_missing_speaker_on_custom_voice(capsys, synth_args):
 
 
 def test_unsupported_language_lists_valid_ones(capsys, synth_args):
-    code, err = cli_error(capsys, *synth_args("voice_design", "--text", "Hi.", "--language", "Klingon"))
+    code, err = cli_error(capsys, *synth_args("voice_design", "--text", "Hi.", "--instruct", "Calm.", "--language", "Klingon"))
     assert code == EXIT_BAD_INPUT and "Unsupported language 'Klingon'" in err and "english" in err
     assert "sichuan_dialect" not in err, "dialects are chosen through speakers, not offered as languages"
 

@@ -12,6 +12,7 @@ import gradio as gr
 import pytest
 import yaml
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 import app
@@ -85,6 +86,18 @@ def test_the_space_front_matter_keeps_the_documented_limits():
     assert str(meta["python_version"]) in TORCH_WHEELS[pinned_torch()][1]
     hub_id = re.compile(r"^[\w.-]+/[\w.-]+(\s+[^\s]+)?$")  # "repo" or "repo file,file"
     assert isinstance(meta["preload_from_hub"], list) and all(hub_id.match(item) for item in meta["preload_from_hub"])
+
+
+def test_requirements_allow_the_transformers_the_omni_thinker_supports_and_the_tests_take_them():
+    from pipeline.omni.thinker import SUPPORTED_TRANSFORMERS
+
+    oldest, newest = SUPPORTED_TRANSFORMERS
+    assert requirement("transformers").specifier == SpecifierSet(f">={oldest},<={newest}")
+    # The tests see the releases a user's install resolves to: requirements-test.txt takes requirements.txt's.
+    test_lines = [line.split("#")[0].strip() for line in (ROOT / "requirements-test.txt").read_text().splitlines()]
+    assert "-r requirements.txt" in test_lines
+    named = {Requirement(line).name.lower().replace("_", "-") for line in test_lines if line and not line.startswith("-")}
+    assert not named & {"transformers", "tokenizers", "huggingface-hub"}
 
 
 def test_the_readme_installs_torch_from_the_cpu_index_before_the_requirements():

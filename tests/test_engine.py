@@ -15,6 +15,7 @@ from pipeline.request import SpeechRequest
 from pipeline.tts import SAMPLES_PER_FRAME, TTS
 
 ROWS = 3
+HANG_GUARD_S = 600  # ends a wait for something that never comes; no wait decides pass or fail by its duration
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_more_requests_than_rows_join_as_rows_free_up(models, solo_results):
 def test_requests_joining_mid_stream_and_others_cancelled(models, voices, solo_results):
     kind, request, voice = cases(voices)[1]
     tts = models[kind]
-    noise = [tts.submit(dataclasses.replace(request, seed=99, max_frames=200)) for _ in range(2)]
+    noise = [tts.submit(dataclasses.replace(request, seed=99, max_frames=tts.default_max_frames())) for _ in range(2)]
     listeners = [iter(h) for h in noise]
     next(listeners[0])  # the neighbours are mid-stream
     joining = tts.submit(request)
@@ -192,7 +193,7 @@ def test_fifo_admission_queue_limit_and_positions(tiny_checkpoints, reference_wa
     assert finished == [] and len(holder.codes) == 1  # nothing overtakes the row that holds the engine
     holder.close()
     for t in threads:
-        t.join(30)
+        t.join(HANG_GUARD_S)
     assert finished == [2, 3]
     assert second.codes.shape == (3, 16) and third.codes.shape == (3, 16)
 
@@ -207,15 +208,13 @@ def test_queued_requests_learn_their_position(tiny_checkpoints):
     assert seen[2] == sorted(seen[2], reverse=True)
 
 
-def test_stop_frees_the_row_within_a_frame(models):
+def test_stop_frees_the_row_before_close_returns(models):
     tts = models["voice_design"]
-    handle = tts.submit(SpeechRequest("Stop me.", instruct="Calm.", seed=2, max_frames=2000, schedule=(1,)))
+    handle = tts.submit(SpeechRequest("Stop me.", instruct="Calm.", seed=2, max_frames=tts.default_max_frames(), schedule=(1,)))
     chunks = iter(handle)
     next(chunks)
     assert any(tts.engine.slots)
-    stopped_at = time.perf_counter()
     handle.close()
-    assert time.perf_counter() - stopped_at < 2.0
     assert handle.stopped and not any(tts.engine.slots)
     frames = len(handle.codes)
     time.sleep(0.2)
@@ -224,7 +223,7 @@ def test_stop_frees_the_row_within_a_frame(models):
 
 def test_stop_before_the_first_chunk_is_a_stop_not_an_empty_result(tiny_checkpoints):
     tts = TTS.from_pretrained(str(tiny_checkpoints["voice_design"]), rows=1)
-    busy = tts.submit(SpeechRequest("Busy.", instruct="Calm.", seed=2, max_frames=500))
+    busy = tts.submit(SpeechRequest("Busy.", instruct="Calm.", seed=2, max_frames=tts.default_max_frames()))
     waiting = tts.submit(SpeechRequest("Waiting.", instruct="Calm.", seed=2, max_frames=5))
     waiting.close()
     assert waiting.stopped and list(waiting) == []

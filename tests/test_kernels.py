@@ -733,9 +733,17 @@ def test_the_code_predictor_in_one_persistent_kernel_equals_its_kernel_per_stage
 def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoints):
     """A code predictor narrower than the talker (the 1.7B's layout) takes its next inputs from the
     code tables projected once when the engine is built: each row, bit for bit, what projecting that
-    code's embedding alone in the step's matmul kernel gives. As wide as the talker (the 0.6B's),
-    the tables are the code tables themselves."""
+    code's embedding alone in the step's matmul kernel gives, with other rows beside it or not, in
+    a chunk of the table or alone. As wide as the talker (the 0.6B's), the tables are the code
+    tables themselves.
+
+    On a GPU a row's bits do not depend on where it sits in the kernel's tile of BLOCK_M rows (one
+    instruction sequence computes every row), so the row is projected first in a tile, as a
+    one-row step puts it. In Triton's interpreter the tile's dot is NumPy's BLAS, whose AVX2
+    kernels (OpenBLAS's Haswell and Zen) round a row by its place in the tile (rows 0-5 one way,
+    6-15 another): there the row is projected at the place it has in the table's tile, zeros beside it."""
     from pipeline.kernels import fused_linear
+    from pipeline.kernels.decode import BLOCK_M
 
     talker = random_talker(tiny_checkpoints["custom_voice"], None)
     pad = torch.zeros(talker.config.hidden_size, device=DEVICE)
@@ -744,9 +752,12 @@ def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoin
     tables = decoder.code_tables
     assert isinstance(project, torch.nn.Linear) and decoder.next_tables.shape == (tables.shape[0], project.out_features)
     for row in (0, 1, 255, 256, tables.shape[0] // 2, tables.shape[0] - 1):  # either side of a chunk's edge
-        alone = torch.empty(1, 1, project.out_features, device=DEVICE)
-        fused_linear(talker.code_predictor.model, project, tables[None, row : row + 1], alone)
-        assert torch.equal(decoder.next_tables[row], alone[0, 0]), row
+        place = 0 if DEVICE == "cuda" else row % BLOCK_M  # the table's chunks start on a tile's first row
+        alone = torch.zeros(1, place + 1, tables.shape[1], device=DEVICE)
+        alone[0, place] = tables[row]
+        projected = torch.empty(1, place + 1, project.out_features, device=DEVICE)
+        fused_linear(talker.code_predictor.model, project, alone, projected)
+        assert torch.equal(decoder.next_tables[row], projected[0, place]), row
     wide = BatchDecoder(random_talker(tiny_checkpoints["custom_voice"], 64), pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True,
                         persistent=False)
     assert wide.next_tables is wide.code_tables

@@ -191,6 +191,17 @@ def test_votes_are_checked_and_stored_once(tmp_path):
         store.record(closed, Vote("eve", 0, "A", plays=both_played()))
 
 
+def test_a_mushra_ballot_with_no_slider_moved_is_refused(tmp_path):
+    session = session_of("mushra", 3, 0)
+    store = VoteStore(tmp_path / "votes.db")
+    untouched = {str(i): 50 for i in range(4)}
+    with pytest.raises(VoteError, match="^Move the sliders to rate the conditions: every one still has the starting score of 50.$"):
+        store.record(session, Vote("ann", 0, scores=untouched, plays=both_played(4)))
+    assert store.votes(session) == []
+    store.record(session, Vote("ann", 0, scores={**untouched, "3": 20}, plays=both_played(4)))  # one slider moved: a rating
+    assert sorted(store.votes(session)[0]["scores"].values()) == [20.0, 50.0, 50.0, 50.0]
+
+
 def test_concurrent_voters_lose_no_vote(tmp_path):
     session = session_of("ab", 3, 6)
     store = VoteStore(tmp_path / "votes.db")
@@ -362,3 +373,156 @@ def test_sessions_service_messages(tmp_path, recordings):
     never.save(text)  # the same file again is fine
     with pytest.raises(SessionError, match="Session 'svc' already has votes: save the changed file under a new name."):
         never.save(text.replace("Hi.", "Hello."))
+
+
+# ---- the Listen view: what a vote may name, and when --------------------------------------------
+
+FOLDERS_AB = """\
+name: {name}
+test: ab
+trials_per_listener: 2
+systems:
+  - {{name: human, folder: human}}
+  - {{name: other, folder: other}}
+items:
+  - {{name: one, text: Hello there.}}
+  - {{name: two, text: Good evening.}}
+"""
+START = 1_800_000_000.0  # the test clock's first reading, seconds since the epoch
+
+
+class Clock:
+    """A clock the test moves by hand: the server's idea of now, without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = START
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def listen_app(recordings):
+    """The listening tab alone on a localhost port, its sessions (two AB sessions of 1 s folder clips,
+    `demo` and `elsewhere`) on the test's clock: (url, sessions, clock)."""
+    import gradio as gr
+    from conftest import free_port
+
+    from pipeline.listening import Sessions
+    from ui import listening
+
+    clock = Clock()
+    sessions = Sessions(recordings, None, clock=clock)
+    for name in ("demo", "elsewhere"):
+        sessions.save(FOLDERS_AB.format(name=name))
+        sessions.render(name)
+    with gr.Blocks() as demo:
+        listening.build(sessions)
+    demo.queue(default_concurrency_limit=None)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/", sessions, clock
+    demo.close()
+
+
+def vote_args(session: str, listener: str, answer: str = "A") -> tuple:
+    return session, listener, answer, None, "", *[50] * 8
+
+
+def stored(sessions, name: str) -> list[dict]:
+    return sessions.store.votes(sessions.session(name))
+
+
+def test_a_vote_is_stored_only_for_the_trial_this_page_was_shown(listen_app):
+    """The listener and session boxes are the page's to edit: a vote sent with another listener's id
+    or another session's name is refused, and nothing is stored anywhere; the honest vote is stored."""
+    import re
+
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    url, sessions, clock = listen_app
+    mallory = Client(url, verbose=False)
+    assert "Trial **1** of 2" in mallory.predict("demo", "mallory", api_name="/listen_start")[0]
+    mallory.predict(api_name="/listen_played_0")
+    mallory.predict(api_name="/listen_played_1")
+    clock.now += 2.0  # both clips heard, one after the other
+    as_victim = "This page shows a trial of listener 'mallory' in session 'demo': press Start or resume to vote as 'victim' in 'demo'."
+    with pytest.raises(AppError, match=f"^{re.escape(as_victim)}$"):
+        mallory.predict(*vote_args("demo", "victim"), api_name="/listen_vote")
+    in_elsewhere = "This page shows a trial of listener 'mallory' in session 'demo': press Start or resume to vote as 'mallory' in 'elsewhere'."
+    with pytest.raises(AppError, match=f"^{re.escape(in_elsewhere)}$"):
+        mallory.predict(*vote_args("elsewhere", "mallory"), api_name="/listen_vote")
+    assert stored(sessions, "demo") == [] and stored(sessions, "elsewhere") == []
+    assert "Trial **2** of 2" in mallory.predict(*vote_args("demo", "mallory"), api_name="/listen_vote")[0]
+    (vote,) = stored(sessions, "demo")
+    assert (vote["listener"], vote["trial"], vote["choice"]) == ("mallory", 0, vote["clips"][0])
+    assert stored(sessions, "elsewhere") == []
+
+
+def test_a_vote_sooner_than_the_clips_last_is_refused_and_times_are_kept(listen_app):
+    """Both `played` events sent at once do not open the vote: the server refuses it until the two
+    1 s clips could have been heard one after the other (2 s after it sent them, less 0.25 s), and the
+    stored vote carries when the trial was shown and when the vote came, in the CSV too."""
+    import csv
+    import io
+
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    url, sessions, clock = listen_app
+    client = Client(url, verbose=False)
+    client.predict("demo", "ann", api_name="/listen_start")
+    with pytest.raises(AppError, match="^This trial has no clip 'x'.$"):  # AB has no X to count as heard
+        client.predict(api_name="/listen_played_x")
+    for job in [client.submit(api_name="/listen_played_0"), client.submit(api_name="/listen_played_1")]:  # at once: both count
+        job.result()
+    clock.now += 1.7
+    with pytest.raises(AppError, match=r"^Too soon: the clips last 2.0 s together and this trial was shown 1.7 s ago; "
+                                       r"hear each one to the end at normal speed, then vote.$"):
+        client.predict(*vote_args("demo", "ann"), api_name="/listen_vote")
+    assert stored(sessions, "demo") == []
+    clock.now += 0.1  # 1.8 s: within the tolerance of the 2.0 s the clips last
+    client.predict(*vote_args("demo", "ann", "B"), api_name="/listen_vote")
+    (vote,) = stored(sessions, "demo")
+    assert vote["shown_at"] == START and vote["voted_at"] == START + 1.8 and vote["plays"] == {"0": 1, "1": 1}
+    (row,) = csv.DictReader(io.StringIO(sessions.votes_csv("demo")))
+    assert (float(row["shown_at"]), float(row["voted_at"])) == (START, START + 1.8)
+
+
+def test_a_showing_takes_one_vote_and_only_its_own_plays(recordings):
+    from pipeline.listening import Sessions
+
+    clock = Clock()
+    sessions = Sessions(recordings, None, clock=clock)
+    sessions.save(FOLDERS_AB.format(name="demo"))
+    sessions.render("demo")
+    first, second = sessions.trial("demo", "ann"), sessions.trial("demo", "ann")  # two tabs: two showings of trial 1
+    assert first.token != second.token and len(first.token) >= 24 and first.listen_s == pytest.approx(2.0)
+    sessions.played(first.token, "0")
+    sessions.played(first.token, "1")
+    sessions.played(second.token, "0")
+    clock.now += 2.0
+    with pytest.raises(VoteError, match="^Play B to the end before voting.$"):  # the other tab's plays do not count here
+        sessions.vote(second.token, "demo", Vote("ann", 0, "A"))
+    assert sessions.vote(first.token, "demo", Vote("ann", 0, "A")).index == 1
+    for token in (first.token, "made-up"):
+        with pytest.raises(VoteError, match=r"^This page has no trial open \(it was answered, or the server restarted\): press Start or resume.$"):
+            sessions.vote(token, "demo", Vote("ann", 0, "A"))
+    assert len(stored(sessions, "demo")) == 1
+
+
+def test_the_clips_of_a_trial_are_served_without_probing_them(listen_app, monkeypatch):
+    """gr.Audio runs ffprobe on every file it returns (where ffmpeg is installed); the Listen view's
+    players serve the renderer's WAVs as they are, and the listener gets the very bytes."""
+    from gradio import processing_utils
+    from gradio_client import Client
+
+    probed = []
+    monkeypatch.setattr(processing_utils, "ffmpeg_installed", lambda: True)
+    monkeypatch.setattr(processing_utils, "audio_is_playable", lambda path: probed.append(path) or True)
+    url, sessions, _ = listen_app
+    outputs = Client(url, verbose=False).predict("demo", "ann", api_name="/listen_start")
+    assert probed == []
+    view = sessions.trial("demo", "ann")
+    assert Path(outputs[3]["value"]).read_bytes() == Path(view.clips[0]).read_bytes()

@@ -2,6 +2,10 @@
 message of every bad input, checked before any work: empty message, control tokens, unreadable,
 unsupported, silent or too long audio, an unknown speaker, a conversation too long for the
 context, a machine too small for the weights."""
+import json
+import re
+import threading
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -97,3 +101,103 @@ def test_a_machine_too_small_is_told_what_is_needed():
     with pytest.raises(CheckpointError, match=r"needs about \d+ GiB of memory in bfloat16; this machine has \d+ GiB of free memory"):
         check_memory(None, torch.device("cpu"), torch.bfloat16, parameters=10**15)
     check_memory(None, torch.device("cpu"), torch.float32, parameters=1000)
+
+
+class CountingTokenizer:
+    """The checkpoint's tokenizer, counting how often each turn's text is tokenized (by its marker)."""
+
+    def __init__(self, tokenizer, markers: list[str]):
+        self.tokenizer, self.markers = tokenizer, markers
+        self.counts = dict.fromkeys(markers, 0)
+
+    def __call__(self, text, **options):
+        for marker in re.findall(r"\[turn \d+\]", text):
+            self.counts[marker] += 1
+        return self.tokenizer(text, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def long_conversation(turn_pairs: int, audio_every: int = 0) -> list[Turn]:
+    turns = []
+    for i in range(turn_pairs):
+        audio = voice_like(1.0 + i % 3, AUDIO_SAMPLE_RATE, seed=i) if audio_every and i % audio_every == 0 else None
+        turns += [Turn("user", f"[turn {2 * i}] Question {i}: the quick brown fox jumps over the lazy dog.", audio),
+                  Turn("assistant", f"[turn {2 * i + 1}] A calm narrator reads answer {i} aloud.")]
+    return turns + [Turn("user", f"[turn {2 * turn_pairs}] And the last one?")]
+
+
+def kept_by_trying_each_start(tokenizer, features, turns: list[Turn], max_prompt: int) -> int:
+    """The reference: the earliest start (the first turn or a user turn) whose whole prompt fits, each encoded in full."""
+    starts = [i for i, turn in enumerate(turns) if i == 0 or turn.role == "user"]
+    return next(i for i in starts if build_inputs(tokenizer, features, turns[i:], "Be brief.", 10**9).input_ids.shape[1] <= max_prompt)
+
+
+def test_trimming_a_400_turn_conversation_tokenizes_each_turn_a_bounded_number_of_times(tokenizer, features):
+    turns = long_conversation(200)
+    counting = CountingTokenizer(tokenizer, [f"[turn {i}]" for i in range(len(turns))])
+    inputs = build_inputs(counting, features, turns, "Be brief.", 2030)
+    assert inputs.dropped_turns > 300 and inputs.input_ids.shape[1] <= 2030
+    # Measured once, encoded once if kept; the dropped ones are never read in full again.
+    assert max(counting.counts.values()) <= 2, max(counting.counts.items(), key=lambda item: item[1])
+    assert inputs.dropped_turns == kept_by_trying_each_start(tokenizer, features, turns, 2030)
+
+
+@pytest.mark.parametrize("max_prompt", [300, 700, 1100])
+def test_trimming_keeps_what_encoding_every_start_keeps_audio_included(tokenizer, features, max_prompt):
+    turns = long_conversation(12, audio_every=4)
+    inputs = build_inputs(tokenizer, features, turns, "Be brief.", max_prompt)
+    assert inputs.dropped_turns == kept_by_trying_each_start(tokenizer, features, turns, max_prompt)
+    assert inputs.input_ids.shape[1] <= max_prompt
+
+
+@pytest.fixture(scope="module")
+def omni_service(tiny_omni, tmp_path_factory):
+    from pipeline.service import ModelService
+
+    service = ModelService({"omni": (str(tiny_omni),)}, tiny_dir=tmp_path_factory.mktemp("tiny-root"))
+    service.model("omni")
+    return service
+
+
+def test_the_chat_api_says_how_many_turns_were_dropped(omni_service):
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from pipeline.omni.chat import MAX_PROMPT
+    from pipeline.server import Access, chat_routes
+
+    model = omni_service.model("omni")
+    turns = long_conversation(40)
+    dropped = build_inputs(model.tokenizer, model.feature_extractor, turns, "Be brief.", MAX_PROMPT).dropped_turns
+    assert dropped > 0
+    client = TestClient(Starlette(routes=chat_routes(omni_service, Access())))
+    messages = [{"role": "system", "content": "Be brief."}] + [{"role": t.role, "content": t.text} for t in turns]
+    body = {"messages": messages, "modalities": ["text"], "max_tokens": 2, "seed": 1}
+    assert client.post("/v1/chat/completions", json=body).json()["dropped_turns"] == dropped
+    with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as response:
+        chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None and chunks[-1]["dropped_turns"] == dropped
+    short = body | {"messages": [{"role": "user", "content": "Hi"}]}
+    assert client.post("/v1/chat/completions", json=short).json()["dropped_turns"] == 0
+
+
+def test_stop_before_the_reply_leaves_no_empty_bubble(omni_service):
+    import gradio as gr
+
+    from ui.app import build_demo
+
+    demo = build_demo(omni_service)
+    send = next(fn.fn for fn in demo.fns.values() if fn.api_name == "omni_send")
+    updates = send(omni_service.default_checkpoint("omni"), "Chelsie", "", 6, 3, "Hello there", None, [], [], "", "", gr.Request(), gr.Progress())
+    first = next(updates)  # shown as the thinker starts to read the conversation
+    omni_service.stop(":omni:")  # Stop: the reply ends, and gradio cancels the handler
+    updates.close()
+    for thread in threading.enumerate():  # the stopped reply's thinker finishes the prefill it is in
+        if thread.name.startswith("omni-"):
+            thread.join()
+    chatbot = next(value for key, value in first.items() if getattr(key, "elem_id", "") == "omni-chatbot")
+    assert chatbot == [{"role": "user", "content": "Hello there"}]  # the message, and no reply bubble
+    state = next(value for key, value in first.items() if isinstance(key, gr.State))
+    assert state == [{"role": "user", "text": "Hello there", "audio": None}]  # the next message's context holds it too

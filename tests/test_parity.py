@@ -1,7 +1,8 @@
 """Parity with the official implementation (qwen-tts-hf) on the same tiny random checkpoints, fp32, CPU.
 
 Every mode is run once through the reference's public API with greedy decoding; spies record what
-its model was given (the talker prefill and per-frame text) and what it returned (the codes).
+its model was given (the talker prefill and per-frame text) and what it returned (the codes). The
+official code runs in a process of its own, on the transformers it needs (tests/reference_runner.py).
 """
 from dataclasses import dataclass
 
@@ -49,48 +50,25 @@ class Ours:
 
 
 @pytest.fixture(scope="session")
-def reference_models(tiny_checkpoints):
-    from qwen_tts import Qwen3TTSModel
-
-    return {kind: Qwen3TTSModel.from_pretrained(str(path), dtype=torch.float32) for kind, path in tiny_checkpoints.items()}
-
-
-@pytest.fixture(scope="session")
 def our_models(tiny_checkpoints):
     return {kind: TTS.from_pretrained(str(path)) for kind, path in tiny_checkpoints.items()}
 
 
-def run_reference(reference, method: str, reference_wav, **kwargs) -> ReferenceRun:
-    captured = {}
-    generate, talker_generate = reference.model.generate, reference.model.talker.generate
-
-    def model_generate(*args, **kw):
-        out = generate(*args, **kw)
-        captured["codes"] = out[0][0]
-        return out
-
-    def talker_spy(*args, **kw):
-        captured["prefill"], captured["trailing"] = kw["inputs_embeds"], kw["trailing_text_hidden"]
-        return talker_generate(*args, **kw)
-
-    reference.model.generate, reference.model.talker.generate = model_generate, talker_spy
-    try:
-        if method == "generate_voice_clone":
-            kwargs["ref_audio"] = str(reference_wav)
-        wavs, _ = getattr(reference, method)(
-            text=TEXT, do_sample=False, subtalker_dosample=False, max_new_tokens=FRAMES + 1, **kwargs
-        )
-    finally:
-        del reference.model.generate, reference.model.talker.generate
-    return ReferenceRun(captured["codes"], wavs[0], captured["prefill"], captured["trailing"])
+def run_reference(runner, checkpoint, method: str, reference_wav, **kwargs) -> ReferenceRun:
+    """The official Qwen3TTSModel's `method` on `checkpoint`, greedy, with spies on its model."""
+    if method == "generate_voice_clone":
+        kwargs["ref_audio"] = str(reference_wav)
+    kwargs = dict(text=TEXT, do_sample=False, subtalker_dosample=False, max_new_tokens=FRAMES + 1, **kwargs)
+    out, _ = runner.run("tts_generate", path=str(checkpoint), method=method, kwargs=kwargs)
+    return ReferenceRun(out["codes"], out["wav"].numpy(), out["prefill"], out["trailing"])
 
 
 @pytest.fixture(scope="session")
-def runs(reference_models, our_models, reference_wav):
+def runs(official_runner, tiny_checkpoints, our_models, reference_wav):
     """Per mode: the reference's run and ours (request, codes, audio) on the same checkpoint."""
     results = {}
     for mode, (kind, ours_kwargs, method, ref_kwargs) in MODES.items():
-        ref = run_reference(reference_models[kind], method, reference_wav, **ref_kwargs)
+        ref = run_reference(official_runner, tiny_checkpoints[kind], method, reference_wav, **ref_kwargs)
         tts = our_models[kind]
         voice = None
         if kind == "base":
@@ -131,7 +109,7 @@ def test_waveform_equals_reference(runs, mode):
     assert audio.std() > 1e-3 and np.abs(audio).max() < 1.0, "tiny vocoder must give a non-trivial, unclipped waveform"
 
 
-def test_icl_audio_is_decode_of_reference_and_generated_codes_minus_reference_frames(runs, reference_models, our_models):
+def test_icl_audio_is_decode_of_reference_and_generated_codes_minus_reference_frames(runs, official_runner, tiny_checkpoints, our_models):
     """We cut exactly the reference frames (1920 samples each).
 
     The reference instead cuts int(ref_frames / total_frames * samples), a proportional cut that
@@ -142,19 +120,19 @@ def test_icl_audio_is_decode_of_reference_and_generated_codes_minus_reference_fr
     ref_frames = request.ref_codes.shape[0]
     assert ref_frames == int(np.ceil(3.2 * 24000 / SAMPLES_PER_FRAME))
     joined = torch.cat([request.ref_codes, codes])
-    full, _ = reference_models["base"].model.speech_tokenizer.decode([{"audio_codes": joined}])
+    full = official_runner.run("tts_decode", {"codes": joined}, path=str(tiny_checkpoints["base"]))[0]["wav"].numpy()
     assert audio.shape == (FRAMES * SAMPLES_PER_FRAME,)
-    assert np.abs(audio - full[0][ref_frames * SAMPLES_PER_FRAME :]).max() <= 1e-5
+    assert np.abs(audio - full[ref_frames * SAMPLES_PER_FRAME :]).max() <= 1e-5
     # Context matters: decoding the generated codes alone gives a different start.
     alone = our_models["base"].decode(codes)
     assert np.abs(alone[:SAMPLES_PER_FRAME] - audio[:SAMPLES_PER_FRAME]).max() > 1e-3
 
 
-def test_voice_prompt_equals_reference(our_models, reference_models, reference_wav):
+def test_voice_prompt_equals_reference(our_models, official_runner, tiny_checkpoints, reference_wav):
     ours = our_models["base"].create_voice_prompt(str(reference_wav), REF_TEXT)
-    theirs = reference_models["base"].create_voice_clone_prompt(str(reference_wav), REF_TEXT)[0]
-    assert torch.equal(ours.ref_codes, theirs.ref_code)
-    torch.testing.assert_close(ours.speaker_embedding, theirs.ref_spk_embedding, rtol=0, atol=1e-5)
+    theirs, _ = official_runner.run("tts_voice_prompt", path=str(tiny_checkpoints["base"]), ref_audio=str(reference_wav), ref_text=REF_TEXT)
+    assert torch.equal(ours.ref_codes, theirs["ref_code"])
+    torch.testing.assert_close(ours.speaker_embedding, theirs["ref_spk_embedding"], rtol=0, atol=1e-5)
 
 
 def _amplified_checkpoint(source, target, rows: slice, factor: float, keep: int | None = None):
@@ -176,22 +154,19 @@ def _amplified_checkpoint(source, target, rows: slice, factor: float, keep: int 
 
 
 @pytest.mark.parametrize("case", ["control_ids_dominate", "eos_dominates"])
-def test_logit_processors_equal_reference(case, tiny_checkpoints, tmp_path):
+def test_logit_processors_equal_reference(case, tiny_checkpoints, official_runner, tmp_path):
     """Control ids (>= 2048) made to dominate the logits: suppression and the EOS rules must decide.
 
     With rows 2048.. scaled up (EOS kept), every frame's argmax would be a control id unless the
     suppressed range is exactly the reference's; with the EOS row scaled up, the utterance must end
     exactly where the reference's does (never within the first two frames).
     """
-    from qwen_tts import Qwen3TTSModel
-
     eos = 2150
     if case == "control_ids_dominate":
         path = _amplified_checkpoint(tiny_checkpoints["custom_voice"], tmp_path / "ckpt", slice(2048, None), 30.0, keep=eos)
     else:
         path = _amplified_checkpoint(tiny_checkpoints["custom_voice"], tmp_path / "ckpt", slice(eos, eos + 1), 30.0)
-    reference = Qwen3TTSModel.from_pretrained(str(path), dtype=torch.float32)
-    expected = run_reference(reference, "generate_custom_voice", None, speaker="ryan", language="english").codes
+    expected = run_reference(official_runner, path, "generate_custom_voice", None, speaker="ryan", language="english").codes
     tts = TTS.from_pretrained(str(path))
     codes = torch.from_numpy(tts.synthesize(SpeechRequest(TEXT, speaker="ryan", language="english", greedy=True, max_frames=FRAMES)).codes)
     assert torch.equal(codes, expected)

@@ -2,6 +2,8 @@
 Triton's interpreter on CPU (TRITON_INTERPRET=1, conftest.py) and on the GPU under CUDA: the same
 output and the same stream state, call after call, for any cut of the stream into calls; and a
 whole decoder built on it streams what it decodes offline."""
+import copy
+
 import pytest
 import torch
 
@@ -25,9 +27,92 @@ def random_unit(channels: int, dilation: int) -> ResidualUnit:
     return unit.to(DEVICE).eval()
 
 
-def module_path(unit: ResidualUnit, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+def module_path(unit: ResidualUnit, x: torch.Tensor, state: StreamState) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit's output and conv1's output (the input of the second SnakeBeta)."""
     with exact_float32_convolutions():  # as SpeechDecoder runs it (PyTorch allows TF32 in cuDNN by default)
-        return x + unit.conv2(unit.act2(unit.conv1(unit.act1(x), state)), state)
+        hidden = unit.conv1(unit.act1(x), state)
+        return x + unit.conv2(unit.act2(hidden), state), hidden
+
+
+# ---- how far two float32 evaluations of the unit may be apart -----------------------------------
+# The kernels and PyTorch's ops sum the same products in different orders (Triton's dots in tiles of
+# 32 input channels, NumPy's BLAS in the interpreter; oneDNN or cuDNN for the module), so neither is
+# the exact result and their bits differ by machine and library (AVX2 and AVX-512 builds of the same
+# wheels differ). The tolerance is derived from the roundings each evaluation makes:
+#
+# - each rounding of a value v errs by delta * v, |delta| <= u (float32's unit roundoff), and a sum of
+#   n products rounds each of its n partial sums, none larger than the sum of the terms' magnitudes m:
+#   worst case (n - 1) u m (Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.5);
+# - the deltas are independent with mean zero (Higham and Mary, "A new approach to probabilistic
+#   rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019): the output's error, a sum of the
+#   deltas times coefficients c_j, exceeds LAMBDA * u * sqrt(sum c_j^2) with probability at most
+#   2 exp(-LAMBDA^2 / 2) (Hoeffding) -- 2.5e-14 an element at LAMBDA = 8, for the ~10^5 elements
+#   this file checks. The worst case sums |c_j| instead: ~100 times wider here, too wide to tell a
+#   wrong tap (~0.1) from rounding.
+#
+# Two evaluations, each within that of the exact result, are at most twice it apart.
+UNIT_ROUNDOFF = 2.0**-24  # float32, round to nearest
+LAMBDA = 8.0
+# What one product-and-add costs, in squared units of u: one rounding of the sum on a CPU (an FMA's
+# product is exact). On a GPU, the tensor cores may truncate the sum (2u), and 3xTF32 splits each
+# operand into a TF32 part and a TF32 remainder that keeps all but 2^-22 of it and drops the
+# remainders' product: three errors of 2^-22 = 4u each in the product, 12u at most.
+TERM_VARIANCE = 2.0**2 + 12.0**2 if DEVICE == "cuda" else 1.0
+# snake(v) = v + b sin^2(a v) rounds a*v (moving sin^2, whose slope is at most 1, by |a v| u), the
+# sine (within 2 ulp; CUDA's approximate sine within 2^-20.9 absolute), the square, the product and
+# the sum: at most 16 roundings' worth of u relative to |v| + b (1 + |a v|).
+SNAKE_ROUNDINGS = 16
+
+
+def snake_magnitude(snake, v: torch.Tensor) -> torch.Tensor:
+    """|v| + b (1 + |a v|): what SnakeBeta's roundings are relative to."""
+    return v.abs() + snake.inv_beta.abs() * (1 + (v * snake.alpha_exp).abs())
+
+
+def magnitude_unit(unit: ResidualUnit) -> ResidualUnit:
+    """The unit with |weights| and |biases| in float64: its first convolution sums the magnitudes of
+    the products (and the bias) that the unit's sums, over the same taps and stream history."""
+    magnitudes = copy.deepcopy(unit).double()
+    with torch.no_grad():
+        for conv in (magnitudes.conv1.conv, magnitudes.conv2.conv):
+            conv.weight.abs_()
+            conv.bias.abs_()
+    return magnitudes
+
+
+def unit_tolerance(unit: ResidualUnit, magnitudes: ResidualUnit, x: torch.Tensor, hidden: torch.Tensor,
+                   state: StreamState) -> torch.Tensor:
+    """Per output sample, how far two float32 evaluations of `unit` on x may be apart, given conv1's
+    output `hidden` and the magnitudes' stream state (the first SnakeBeta's input magnitudes of the
+    calls before, kept as the unit keeps its history). The coefficients c_j of each rounding, to first order:
+
+    - conv1, output channel i: 7 taps x C channels + the bias, each partial sum within its
+      magnitude m1_i, and the first SnakeBeta's roundings of every input (SNAKE_ROUNDINGS, bounded
+      the same way), passed on through the second SnakeBeta's slope s_i <= 1 + a_i b_i and conv2's
+      weight w_oi: coefficients w_oi s_i m1_i;
+    - the second SnakeBeta's roundings: w_oi (|h_i| + b_i (1 + |a_i h_i|));
+    - conv2's C products + the bias: its magnitude m2 = sum_i |w_oi z_i| + |b_o|; the residual add: |x| + m2."""
+    x, hidden = x.double(), hidden.double()
+    channels = x.shape[1]
+    act2 = unit.act2
+    conv1_sizes = magnitudes.conv1(snake_magnitude(unit.act1, x), state)  # m1 [B, C, T]
+    slope = 1 + (act2.alpha_exp * act2.inv_beta).abs()
+    weights, bias = magnitudes.conv2.conv.weight[..., 0], magnitudes.conv2.conv.bias[:, None]  # |w|, |b| of the 1x1 convolution
+    conv2_sizes = weights @ magnitudes.act2(hidden).abs() + bias  # m2
+    variance = ((TERM_VARIANCE * (7 * channels + 1) + SNAKE_ROUNDINGS) * (weights**2 @ (slope * conv1_sizes) ** 2)
+                + SNAKE_ROUNDINGS * (weights**2 @ snake_magnitude(act2, hidden) ** 2)
+                + TERM_VARIANCE * (channels + 1) * conv2_sizes**2 + (x.abs() + conv2_sizes) ** 2)
+    return 2 * LAMBDA * UNIT_ROUNDOFF * variance.sqrt()
+
+
+def history_tolerance(sizes: torch.Tensor) -> torch.Tensor:
+    """The stored history is the first SnakeBeta's output: its roundings alone, relative to `sizes`."""
+    return 2 * LAMBDA * UNIT_ROUNDOFF * SNAKE_ROUNDINGS**0.5 * sizes
+
+
+def assert_within(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
+    apart = (got.double() - expected.double()).abs()
+    assert (apart <= bound).all(), f"apart by up to {(apart / bound).nan_to_num(posinf=float('inf')).max().item():.3g} times the rounding tolerance"
 
 
 # channel counts that are not multiples of the kernel's tiles (40) and that are (64), lengths below
@@ -35,26 +120,28 @@ def module_path(unit: ResidualUnit, x: torch.Tensor, state: StreamState) -> torc
 @pytest.mark.parametrize("channels,dilation,cuts", [(40, 1, [5, 1, 37, 3]), (64, 9, [3, 70, 1, 130]), (16, 3, [33, 2])])
 def test_fused_unit_equals_the_modules_call_after_call(channels, dilation, cuts):
     unit = random_unit(channels, dilation)
-    ours, theirs = StreamState(unit, batch_size=2), StreamState(unit, batch_size=2)
+    magnitudes = magnitude_unit(unit)
+    ours, theirs, sizes = (StreamState(u, batch_size=2) for u in (unit, unit, magnitudes))
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for n in cuts:
             x = torch.randn(2, channels, n, generator=g).to(DEVICE)
-            expected = module_path(unit, x, theirs)
+            expected, hidden = module_path(unit, x, theirs)
             got = residual_unit(unit, x, ours)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ours.flat[torch.float32], theirs.flat[torch.float32], rtol=1e-5, atol=1e-5)
+            assert_within(got, expected, unit_tolerance(unit, magnitudes, x, hidden, sizes))
+            assert_within(ours.flat[torch.float32], theirs.flat[torch.float32], history_tolerance(sizes.flat[torch.float64]))
 
 
 def test_fused_unit_reads_a_strided_input():
     """The unit after a transposed convolution gets a slice of its output (not contiguous)."""
     unit = random_unit(24, 3)
+    magnitudes = magnitude_unit(unit)
     wide = torch.randn(1, 24, 50, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     x = wide[..., 4:36]
     with torch.inference_mode():
-        expected = module_path(unit, x.contiguous(), StreamState(unit))
+        expected, hidden = module_path(unit, x.contiguous(), StreamState(unit))
         got = residual_unit(unit, x, StreamState(unit))
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert_within(got, expected, unit_tolerance(unit, magnitudes, x, hidden, StreamState(magnitudes)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a whole decoder takes minutes in the interpreter")

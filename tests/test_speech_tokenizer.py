@@ -18,15 +18,27 @@ SR = 24000
 HOP = 1920  # samples per code frame
 TOL = 1e-5  # max abs difference, float32
 
-def _load_reference(path: Path):
-    """qwen_tts.Qwen3TTSTokenizer for `path`.
+class OfficialTokenizer:
+    """qwen_tts.Qwen3TTSTokenizer for `path`, run by tests/reference_runner.py: it builds on transformers'
+    MimiModel as it was up to 5.15, which later releases split into encoder and decoder halves."""
 
-    Needs transformers 5.15.x (pinned in requirements-test.txt): later releases split MimiModel
-    into encoder and decoder halves, which the reference's 12 Hz encoder cannot build on.
-    """
-    import qwen_tts
+    def __init__(self, runner, path: Path):
+        self.runner, self.path = runner, str(path)
 
-    return qwen_tts.Qwen3TTSTokenizer.from_pretrained(str(path))
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """`load_state_dict(state, strict=True)` on the official model: fails unless the names are the same both ways."""
+        self.runner.run("tokenizer_encode", {f"state.{name}": t for name, t in state.items()}, path=self.path)
+
+    def encode(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.runner.run("tokenizer_encode", {"wav": wav}, path=self.path)[0]["codes"]
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """The official decode(): in windows of 300 frames with 25 frames of left context beyond 300."""
+        return self.runner.run("tokenizer_decode", {"codes": codes}, path=self.path)[0]["wav"]
+
+    def decoder_forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """The official decoder module's own forward over all the frames at once."""
+        return self.runner.run("tokenizer_decoder_forward", {"codes": codes}, path=self.path)[0]["wav"]
 
 
 def _codes(frames: int, seed: int) -> torch.Tensor:
@@ -58,19 +70,19 @@ def ours(checkpoint) -> SpeechTokenizer:
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
-    return _load_reference(checkpoint / "speech_tokenizer")
+def reference(checkpoint, official_runner) -> OfficialTokenizer:
+    return OfficialTokenizer(official_runner, checkpoint / "speech_tokenizer")
 
 
 def test_parameter_names_are_the_official_ones(ours, reference):
     # Strict both ways: every parameter of ours is one of the reference's and none is missing.
-    reference.model.load_state_dict(ours.state_dict(), strict=True)
+    reference.load_state_dict(ours.state_dict())
 
 
 def test_encode_matches_reference(ours, reference):
     wav = _chirp_with_noise(3.03)  # not a whole number of frames: ceil(samples / 1920) frames
     codes = ours.encode(wav)
-    expected = reference.encode(wav.numpy(), sr=SR).audio_codes[0]
+    expected = reference.encode(wav)
     assert codes.dtype == torch.long and codes.shape == (math.ceil(len(wav) / HOP), 16)
     assert torch.equal(codes.cpu(), expected.cpu())
     # A checkpoint that maps all audio to a few codes would make the equality vacuous.
@@ -80,7 +92,7 @@ def test_encode_matches_reference(ours, reference):
 def test_decode_matches_reference(ours, reference):
     codes = _codes(120, seed=2)  # longer than the 72-frame attention window
     wav = ours.decode(codes)
-    expected = torch.from_numpy(reference.decode({"audio_codes": [codes]})[0][0])
+    expected = reference.decode(codes)
     assert wav.dtype == torch.float32 and wav.shape == (120 * HOP,)
     assert _max_diff(wav, expected) < TOL
     # Non-trivial and unclipped, or the comparison would prove little (the reference clamps).
@@ -94,10 +106,9 @@ def test_decode_beyond_300_frames_is_one_causal_pass(ours, reference):
     # frames causally at once, so the oracle is the reference decoder module's own full forward.
     codes = _codes(340, seed=3)
     wav = ours.decode(codes)
-    with torch.inference_mode():
-        full = reference.model.decoder(codes.T[None])[0, 0]
+    full = reference.decoder_forward(codes)
     assert _max_diff(wav, full) < TOL
-    windowed = torch.from_numpy(reference.decode({"audio_codes": [codes]})[0][0])
+    windowed = reference.decode(codes)
     assert _max_diff(wav[:300 * HOP], windowed[:300 * HOP]) < TOL
     assert _max_diff(wav[300 * HOP:], windowed[300 * HOP:]) > 1e-3  # the windowing is audible
 
@@ -151,7 +162,7 @@ def test_primed_stream_equals_offline_without_the_reference_part(ours, reference
     stream.prime(ref_codes)
     wav = _stream(stream, new_codes, [1, 2, 4, 8, 15])
     both = torch.cat([ref_codes, new_codes])
-    expected = torch.from_numpy(reference.decode({"audio_codes": [both]})[0][0])[ref_frames * HOP:]
+    expected = reference.decode(both)[ref_frames * HOP:]
     assert _max_diff(wav, expected) < TOL
     assert _max_diff(wav, ours.decode(both)[ref_frames * HOP:]) < TOL
 
@@ -175,19 +186,19 @@ def test_missing_weights_name_the_file(checkpoint, tmp_path):
         SpeechTokenizer.from_pretrained(tmp_path)
 
 
-def test_encoder_without_latent_projection_matches_reference(tmp_path):
+def test_encoder_without_latent_projection_matches_reference(tmp_path, official_runner):
     # Mimi builds the quantizers' input/output projections only when vector_quantization_hidden_dimension
     # differs from hidden_size; with the two equal the codebooks quantize the latents as they are.
     encoder = dict(TINY_SPEECH_TOKENIZER_CONFIG["encoder_config"], vector_quantization_hidden_dimension=32, codebook_dim=32)
     assert encoder["hidden_size"] == 32
     write_tiny_speech_tokenizer(tmp_path, seed=1, config=dict(TINY_SPEECH_TOKENIZER_CONFIG, encoder_config=encoder))
     ours = SpeechTokenizer.from_pretrained(tmp_path)
-    reference = _load_reference(tmp_path / "speech_tokenizer")
+    reference = OfficialTokenizer(official_runner, tmp_path / "speech_tokenizer")
     assert not any("residual_vector_quantizer.input_proj" in name for name in ours.state_dict())
-    reference.model.load_state_dict(ours.state_dict(), strict=True)
+    reference.load_state_dict(ours.state_dict())
     wav = _chirp_with_noise(2.5)
     codes = ours.encode(wav)
-    assert torch.equal(codes.cpu(), reference.encode(wav.numpy(), sr=SR).audio_codes[0].cpu())
+    assert torch.equal(codes.cpu(), reference.encode(wav).cpu())
     assert min(len(codes[:, q].unique()) for q in range(16)) > 5
 
 

@@ -11,7 +11,7 @@ import gradio as gr
 from pipeline.remote import RemoteService
 from pipeline.service import DEFAULT_SCHEDULE, TINY, TYPE_NAMES, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
 from ui.latency import LatencyPanel
-from ui.errors import input_error
+from ui.errors import input_error, warn
 
 Service = ModelService | RemoteService  # models in this process, or a backend's over HTTP: the same methods
 
@@ -219,6 +219,7 @@ def generation(
 ) -> Iterator[dict]:
     """The generation handler's body, one per tab: validate, warn, then stream into the panel."""
     received = time.perf_counter()
+    panel.begin(run_id)
     key = run_key(request, panel.name, run_id)
     try:
         load_checkpoint(service, speech.model_type, speech.checkpoint or service.default_checkpoint(speech.model_type), progress)
@@ -239,7 +240,7 @@ def open_stream(stream: Iterator) -> StreamStart:
     except TTSInputError as exc:
         raise input_error(exc) from None
     for warning in start.warnings:
-        gr.Warning(warning)
+        warn(warning)
     return start
 
 

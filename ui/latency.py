@@ -21,7 +21,7 @@ import pandas as pd
 
 from pipeline.service import Chunk, Queued, StreamEnd, StreamStart, TTSInputError
 from ui.pcm_stream import CHANNELS, ROUTE, RUN_ID
-from ui.errors import input_error
+from ui.errors import input_error, toast_text, warn
 
 PLAYER_JS = Path(__file__).with_name("player.js")
 TABLE_HEADERS = ["chunk", "frames", "generate ms", "vocode ms", "ms since request", "RTF"]
@@ -42,7 +42,8 @@ def pcm16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
 
 
-def summary_text(start: StreamStart, chunks: list[Chunk], first_sent_ms: float | None, done: bool) -> str:
+def summary_text(start: StreamStart, chunks: list[Chunk], first_sent_ms: float | None, done: bool, warnings: list[str] = ()) -> str:
+    """The line under the player; `warnings` (what the stream's end said, e.g. text left unspoken) stay on it after the toasts fade."""
     if not chunks:
         return f"Generating with `{start.checkpoint}`{f' on {start.backend}' if start.backend else ''}…"
     last = chunks[-1]
@@ -53,7 +54,7 @@ def summary_text(start: StreamStart, chunks: list[Chunk], first_sent_ms: float |
     return (
         f"TTFA **{chunks[0].elapsed_ms:.0f} ms** ({where}) · first chunk sent {first_sent_ms:.0f} ms after the request arrived · "
         f"{rtf} · {last.audio_seconds:.2f} s of audio in {len(chunks)} chunks · `{start.checkpoint}`"
-    )
+    ) + "".join(f"\n\n**Warning:** {toast_text(warning)}" for warning in warnings)
 
 
 def ms_cell(ms: float | None) -> float | str:
@@ -122,6 +123,10 @@ class LatencyPanel:
         """JS of the Stop click: silence the player and pass the stopped run's id to the server."""
         return f"() => [window.qwenTTS.player('{self.name}').stop()]"
 
+    def begin(self, run_id: str) -> None:
+        """The run `run_id` has started: the page's PCM stream of it may attach (first thing in a handler)."""
+        CHANNELS.open(run_id)
+
     def end(self, run_id: str) -> None:
         """End the page's PCM stream of `run_id`, however the run ended (done, error, Stop)."""
         CHANNELS.finish(run_id)
@@ -177,12 +182,13 @@ class LatencyPanel:
                 done.append(chunk)
                 rows.append([chunk.index, chunk.frames, ms_cell(chunk.generate_ms), ms_cell(chunk.vocode_ms), round(since_ms, 1), round(chunk.rtf, 3)])
             if done:
-                extra.update({self.table: table_frame(rows), self.plot: plot_frame(done), self.summary: summary_text(start, done, first_sent_ms, ended)})
+                summary = summary_text(start, done, first_sent_ms, ended, end.warnings)
+                extra.update({self.table: table_frame(rows), self.plot: plot_frame(done), self.summary: summary})
             if extra:
                 yield extra
             next_update = time.perf_counter() + UPDATE_INTERVAL_S
         for warning in end.warnings:
-            gr.Warning(warning)
+            warn(warning)
         if not done:
             if end.stopped:
                 yield {self.summary: "Stopped before the first audio."}

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import gradio as gr
 import pandas as pd
+from gradio.data_classes import FileData
 
 from pipeline.errors import TTSInputError
 from pipeline.listening import NO_PREFERENCE, SessionError, Sessions, TrialView, Vote, VoteError
-from ui.errors import input_error
+from pipeline.listening.session import NAME as ID_PATTERN  # session names and listener ids
+from pipeline.listening.store import MUSHRA_START
+from ui.errors import input_error, markdown_text, warn
 
 NAME = "listening"
 MAX_CONDITIONS = 8  # MUSHRA conditions shown at once (the hidden reference and the anchor included)
@@ -26,6 +29,18 @@ class ListenParts:
     listener: gr.Textbox
     start: gr.Button
     views: gr.Tabs | None = None
+
+
+class ClipPlayer(gr.Audio):
+    """gr.Audio for a session's clips, which the renderer wrote as float WAV (a container and codec every
+    browser plays): served as they are, without the ffprobe run that gr.Audio makes on every file it returns."""
+
+    is_template = True  # the browser's audio player: the same component as gr.Audio
+
+    def postprocess(self, value: str | Path | None) -> FileData | None:
+        if value is None:
+            return None
+        return FileData(path=str(value), orig_name=Path(value).name, mime_type="audio/wav")
 
 
 def share_link(name: str) -> str:
@@ -55,38 +70,37 @@ def _listen_view(sessions: Sessions) -> ListenParts:
         start = gr.Button("Start or resume", variant="primary", elem_id="listen-start", scale=1)
     progress = gr.Markdown("", elem_id="listen-progress")
     text = gr.Markdown("", elem_id="listen-text")
-    reference = gr.Audio(label="Reference", type="filepath", interactive=False, visible=False, elem_id="listen-reference")
+    reference = ClipPlayer(label="Reference", type="filepath", interactive=False, visible=False, elem_id="listen-reference")
     clips, scores = [], []
     with gr.Row():
         for i in range(MAX_CONDITIONS):
             with gr.Column(min_width=160):
-                clips.append(gr.Audio(label=chr(ord("A") + i), type="filepath", interactive=False, visible=False, elem_id=f"listen-clip-{i}"))
-                scores.append(gr.Slider(0, 100, value=50, step=1, label="Score", visible=False, elem_id=f"listen-score-{i}"))
-    x_clip = gr.Audio(label="X", type="filepath", interactive=False, visible=False, elem_id="listen-x")
+                clips.append(ClipPlayer(label=chr(ord("A") + i), type="filepath", interactive=False, visible=False, elem_id=f"listen-clip-{i}"))
+                scores.append(gr.Slider(0, 100, value=MUSHRA_START, step=1, label="Score", visible=False, elem_id=f"listen-score-{i}"))
+    x_clip = ClipPlayer(label="X", type="filepath", interactive=False, visible=False, elem_id="listen-x")
     choice = gr.Radio(list(CHOICES), label="Which do you prefer?", visible=False, elem_id="listen-choice")
     with gr.Row():
         confidence = gr.Radio(["1", "2", "3", "4", "5"], label="Confidence (optional: 1 unsure, 5 certain)", visible=False, elem_id="listen-confidence")
         comment = gr.Textbox(label="Comment (optional)", visible=False, elem_id="listen-comment")
     hint = gr.Markdown("", elem_id="listen-hint")
     submit = gr.Button("Submit vote", variant="primary", interactive=False, visible=False, elem_id="listen-submit")
-    current = gr.State(None)  # the TrialView on screen
-    plays = gr.State({})  # clip -> times played to the end ("0", "1", ..., "x")
+    current = gr.State(None)  # the TrialView on screen; its token names the server's record of this showing
 
-    trial_outputs = [current, plays, progress, text, reference, *clips, *scores, x_clip, choice, confidence, comment, hint, submit]
+    trial_outputs = [current, progress, text, reference, *clips, *scores, x_clip, choice, confidence, comment, hint, submit]
 
     def show(view: TrialView | None, note: str = "") -> list:
         if view is None:
             hidden = [gr.update(visible=False, value=None)] * (1 + MAX_CONDITIONS) + [gr.update(visible=False)] * MAX_CONDITIONS
-            return [None, {}, "**All trials done. Thank you!**" + (f" {note}" if note else ""), "", *hidden, gr.update(visible=False, value=None),
+            return [None, "**All trials done. Thank you!**" + (f" {note}" if note else ""), "", *hidden, gr.update(visible=False, value=None),
                     gr.update(visible=False, value=None), gr.update(visible=False, value=None), gr.update(visible=False, value=""), "",
                     gr.update(visible=False)]
         mushra = view.test == "mushra"
         n = len(view.clips)
         clip_updates = [gr.update(visible=i < n, value=view.clips[i] if i < n else None, label=_label(view, i)) for i in range(MAX_CONDITIONS)]
-        score_updates = [gr.update(visible=mushra and i < n, value=50) for i in range(MAX_CONDITIONS)]
+        score_updates = [gr.update(visible=mushra and i < n, value=MUSHRA_START) for i in range(MAX_CONDITIONS)]
         question = "Which do you prefer?" if view.test == "ab" else "Is X the same as A or as B?"
         choices = list(CHOICES) if view.test == "ab" else ["A", "B"]
-        return [view, {}, _progress(view, note), f"> {view.text}",
+        return [view, _progress(view, note), f"> {markdown_text(view.text)}",
                 gr.update(visible=mushra, value=view.reference), *clip_updates, *score_updates,
                 gr.update(visible=view.x is not None, value=view.x), gr.update(visible=not mushra, value=None, choices=choices, label=question),
                 gr.update(visible=True, value=None), gr.update(visible=True, value=""), _hint(view, {}), gr.update(visible=True, interactive=False)]
@@ -97,37 +111,43 @@ def _listen_view(sessions: Sessions) -> ListenParts:
         except (SessionError, VoteError) as exc:
             raise input_error(exc) from None
 
-    def played(view: TrialView | None, counts: dict, key: str):
-        counts = {**(counts or {}), key: (counts or {}).get(key, 0) + 1}
-        ready = view is not None and _all_played(view, counts)
-        return counts, _hint(view, counts), gr.update(interactive=ready)
+    def played(view: TrialView | None, key: str):
+        if view is None:
+            raise input_error("Press Start or resume first.")
+        try:
+            counts = sessions.played(view.token, key)
+        except VoteError as exc:
+            raise input_error(exc) from None
+        return _hint(view, counts), gr.update(interactive=_all_played(view, counts))
 
-    def vote(name: str, who: str, view: TrialView | None, counts: dict, answer, sure, note, *values):
+    def vote(name: str, who: str, view: TrialView | None, answer, sure, note, *values):
+        """The vote of the trial on this page (its server-side record, not the boxes, says which)."""
         if view is None:
             raise input_error("Press Start or resume first.")
         if view.test == "mushra":
-            ballot = Vote(who.strip(), view.index, scores={str(i): values[i] for i in range(len(view.clips))}, plays=counts, comment=note or "",
+            ballot = Vote(who.strip(), view.index, scores={str(i): values[i] for i in range(len(view.clips))}, comment=note or "",
                           confidence=int(sure) if sure else None)
         else:
             if answer is None:
                 raise input_error("Choose an answer first.")
-            ballot = Vote(who.strip(), view.index, CHOICES.get(answer, answer), plays=counts, comment=note or "", confidence=int(sure) if sure else None)
+            ballot = Vote(who.strip(), view.index, CHOICES.get(answer, answer), comment=note or "", confidence=int(sure) if sure else None)
         try:
-            return show(sessions.vote(name.strip(), ballot), "vote saved")
+            return show(sessions.vote(view.token, name.strip(), ballot), "vote saved")
         except VoteError as exc:
             if "already answered" not in str(exc):
                 raise input_error(exc) from None
-            gr.Warning(str(exc))  # answered in another tab: move on to what is left
-            return show(sessions.trial(name.strip(), who.strip()))
+            warn(str(exc))  # answered in another tab: move on to what is left
+            return show(sessions.trial(view.session, view.listener))
 
-    start.click(begin, inputs=[session, listener], outputs=trial_outputs, api_name="listen_start")
+    # No limit on any of these: every listener runs their own at once (the counts of plays are kept,
+    # under a lock, by `sessions`; the votes are SQLite commits, one connection each).
+    start.click(begin, inputs=[session, listener], outputs=trial_outputs, api_name="listen_start", concurrency_limit=None)
     # Played to the end (the players' "stop" event); named so that scripted listeners (tests, API clients) can do what a browser does.
-    # One at a time: two clips ending together would each read the count before the other's update and one would be lost.
-    once = dict(concurrency_limit=1, concurrency_id="listen-played", api_visibility="undocumented")
+    heard = {"concurrency_limit": None, "api_visibility": "undocumented"}
     for i, clip in enumerate(clips):
-        clip.stop(lambda v, c, key=str(i): played(v, c, key), inputs=[current, plays], outputs=[plays, hint, submit], api_name=f"listen_played_{i}", **once)
-    x_clip.stop(lambda v, c: played(v, c, "x"), inputs=[current, plays], outputs=[plays, hint, submit], api_name="listen_played_x", **once)
-    submit.click(vote, inputs=[session, listener, current, plays, choice, confidence, comment, *scores], outputs=trial_outputs,
+        clip.stop(lambda v, key=str(i): played(v, key), inputs=current, outputs=[hint, submit], api_name=f"listen_played_{i}", **heard)
+    x_clip.stop(lambda v: played(v, "x"), inputs=current, outputs=[hint, submit], api_name="listen_played_x", **heard)
+    submit.click(vote, inputs=[session, listener, current, choice, confidence, comment, *scores], outputs=trial_outputs,
                  api_name="listen_vote", concurrency_limit=None)
     return ListenParts(session, listener, start)
 
@@ -252,8 +272,17 @@ def _organize_view(sessions: Sessions) -> None:
 
 
 def from_link(request: gr.Request) -> tuple:
-    """A per-session link (`/?session=NAME[&listener=ID]`) opens the Listen view with both filled in."""
+    """A per-session link (`/?session=NAME[&listener=ID]`) opens the Listen view with both filled in.
+    Names and ids are 1-64 letters, digits, - or _; a link with anything else fills in nothing of it
+    and never echoes it (a crafted link could carry markup)."""
     params = dict(request.query_params) if request is not None else {}
     if "session" not in params:
         return gr.update(), gr.update(), gr.update(), gr.update()
-    return gr.update(selected=NAME), gr.update(selected="listen-view"), params["session"], params.get("listener", "")
+    session, listener = params["session"], params.get("listener", "")
+    if not ID_PATTERN.match(session):
+        warn("This link's session is not a session name (1-64 letters, digits, - or _): ask the organizer for the link again.")
+        session, listener = "", ""
+    elif listener and not ID_PATTERN.match(listener):
+        warn("This link's listener id is not an id (1-64 letters, digits, - or _): type yours in the box.")
+        listener = ""
+    return gr.update(selected=NAME), gr.update(selected="listen-view"), session, listener

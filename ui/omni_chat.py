@@ -93,19 +93,25 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
         chat_request = ChatRequest([Turn(**t) for t in history], system=system_prompt or "", speaker=speaker_name or DEFAULT_SPEAKER,
                                    seed=None if seed_value is None else int(seed_value), max_new_tokens=int(tokens))
         key = controls.run_key(request, NAME, run_id)
+        panel.begin(run_id)
         try:
             controls.load_checkpoint(service, MODEL_TYPE, name, progress)
             stream = service.chat(chat_request, name, key)
             start = controls.open_stream(stream)
-            messages = list(shown or []) + user_message(text, audio_path) + [{"role": "assistant", "content": ""}]
+            # The reply's bubble opens with its first text: a Stop before it (while the thinker reads the
+            # conversation) leaves the message sent and no empty reply. The message joins the conversation now.
+            messages = list(shown or []) + user_message(text, audio_path)
+            asked = len(messages)
             deltas: list[TextDelta] = []
-            yield {message: "", audio: None, chatbot: messages, live: live_html([]), stats: ""}
+            yield {message: "", audio: None, chatbot: messages, live: live_html([]), stats: "", turns: history}
 
             def on_event(event) -> dict:
                 if isinstance(event, TextDelta):
                     deltas.append(event)
                     reply = "".join(d.text for d in deltas)
-                    messages[-1] = {"role": "assistant", "content": reply}
+                    if not reply:
+                        return {}
+                    messages[asked:] = [{"role": "assistant", "content": reply}]
                     return {chatbot: messages, live: live_html(deltas), turns: history + [{"role": "assistant", "text": reply, "audio": None}]}
                 if isinstance(event, ChatEnd):
                     seconds = 0.0 if event.first_audio_ms is None else event.frames * 0.08

@@ -57,6 +57,11 @@
       let pending = new Uint8Array(0);
       try {
         const response = await fetch(url, { signal, cache: "no-store" });
+        if (!response.ok) {  // 404: the run never started; 429: this client has too many streams open
+          const refusal = await response.json().catch(() => ({}));
+          if (this.stats === stats) this.show(`no live audio: ${refusal.error?.message ?? response.status}`);
+          return;
+        }
         const reader = response.body.getReader();
         for (;;) {
           const { done, value } = await reader.read();

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from pipeline.config_types import ROPE, config_problem, dataclass_schema
 from pipeline.errors import CheckpointError
 
 
@@ -135,6 +136,9 @@ class SpeechTokenizerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "SpeechTokenizerConfig":
+        problem = config_problem(raw, SPEECH_TOKENIZER_CONFIG)
+        if problem is not None:
+            raise CheckpointError(problem)
         top = {k: raw[k] for k in ("encoder_valid_num_quantizers", "input_sample_rate", "output_sample_rate",
                                    "decode_upsample_rate", "encode_downsample_rate") if k in raw}
         config = cls(EncoderConfig.from_dict(raw.get("encoder_config") or {}),
@@ -145,3 +149,11 @@ class SpeechTokenizerConfig:
         if config.decoder.num_quantizers != config.encoder_valid_num_quantizers:
             raise CheckpointError("speech tokenizer: encoder and decoder disagree on the number of codebooks")
         return config
+
+
+# The keys of speech_tokenizer/config.json that SpeechTokenizerConfig.from_dict reads, by their JSON types.
+SPEECH_TOKENIZER_CONFIG = {
+    "encoder_config": dataclass_schema(EncoderConfig, {EncoderConfig: {"rope_parameters": ROPE}}),
+    "decoder_config": dataclass_schema(DecoderConfig),
+    **{name: int for name in ("encoder_valid_num_quantizers", "input_sample_rate", "output_sample_rate", "decode_upsample_rate", "encode_downsample_rate")},
+}

@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SCHEDULE = (1, 2, 4, 8, 16)  # frames per chunk; the last size repeats
 SAMPLE_RATE = 24000
+FRAMES_PER_SECOND = 12.5
 CLOSE_TIMEOUT_S = 10.0
 EARLY_CHUNKS = 4  # a stream's first chunks (1, 2, 4 and 8 frames by default): little audio buffered yet
 
@@ -76,6 +77,7 @@ class Segment:
     trailing: torch.Tensor  # [T, hidden]
     text_end: bool = True  # False: more text arrives through Handle.append_text
     awaits: int = 0  # the prompt's last positions, still to come through Handle.finish_prompt (prefilled apart)
+    chars: int = 0  # characters of the text it speaks, for the warning when it goes unspoken (0: not known, streamed text)
 
 
 @dataclass
@@ -83,10 +85,43 @@ class Job:
     segments: list[Segment]
     sampling: SamplingConfig
     seed: int
-    max_frames: int
+    max_frames: int  # over all segments
     schedule: tuple[int, ...] = DEFAULT_SCHEDULE
     vocoder_state: list[torch.Tensor] | None = None  # the vocoder primed with reference codes (voice clone)
     ready: "torch.cuda.Event | None" = None  # recorded after the caller made the tensors above
+    segment_frames: int | None = None  # at most this many per segment (None: as many as the decoder has room for)
+
+
+class Mailbox(queue.Queue):
+    """Items from producer threads to one consumer, who either blocks in `get` or, without a thread
+    of its own (an event loop), asks to be called back once an item is there (`when_ready`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._listeners: list[Callable[[], None]] = []  # guarded by self.mutex
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        with self.mutex:
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener()
+
+    def when_ready(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` (from the producer's thread, or here if an item is there already) once an item can be got."""
+        with self.mutex:
+            if not self._qsize():
+                self._listeners.append(listener)
+                return
+        listener()
+
+
+@dataclass
+class Waiting:
+    """Yielded, instead of blocking, by a stream asked not to wait: nothing is ready yet.
+    `when_ready(listener)` calls `listener()` once the next item is (see Mailbox)."""
+
+    when_ready: Callable[[Callable[[], None]], None]
 
 
 def chunk_sizes(schedule: Sequence[int]) -> Iterator[int]:
@@ -108,14 +143,16 @@ def vocoder_lane(row: int, chunk_index: int, lanes: int) -> int:
 
 class Handle:
     """A submitted request: iterate for `Chunk`s, `close()` to cancel. `events()` also yields
-    `Queued` records while the request waits for a row."""
+    `Queued` records while the request waits for a row; `events(wait=False)` yields a `Waiting`
+    where it would block, so that an event loop can wait for a row without holding a thread."""
 
     def __init__(self, engine: "Engine", job: Job):
         self.engine, self.job = engine, job
         self.submitted = time.perf_counter()
         self.warnings: list[str] = []
+        self.segment_frames: list[int] = []  # frames made by each segment that has ended
         self.stopped = False  # closed by the caller before the end
-        self._items: queue.Queue = queue.Queue()
+        self._items = Mailbox()
         self._code_blocks: list[np.ndarray] = []
         self._closed = threading.Event()
         self._released = threading.Event()  # the engine holds nothing of this request any more
@@ -131,9 +168,12 @@ class Handle:
             return torch.zeros(0, 16, dtype=torch.long)
         return torch.from_numpy(np.concatenate(self._code_blocks))
 
-    def events(self) -> Iterator[Chunk | Queued]:
+    def events(self, wait: bool = True) -> Iterator[Chunk | Queued | Waiting]:
         try:
             while True:
+                if not wait and self._items.empty():
+                    yield Waiting(self._items.when_ready)
+                    continue
                 item = self._items.get()
                 if item is None:
                     return
@@ -175,6 +215,28 @@ class Handle:
         self._items.put(None)
 
 
+def cut_warning(cut: list[tuple[int, int]], segments: int) -> str:
+    """What the user is told of the segments (index, frame budget) that reached their own frame limit."""
+    budget = max(frames for _, frames in cut)
+    limit = f"the frame limit of one segment ({budget} frames, {budget / FRAMES_PER_SECOND:.0f} s)"
+    if len(cut) == 1:
+        return f"Segment {cut[0][0] + 1} of {segments} reached {limit} and was cut there; shorter sentences avoid this."
+    numbers = ", ".join(str(index + 1) for index, _ in cut)
+    return f"{len(cut)} of {segments} segments ({numbers}) reached {limit} and were cut there; shorter sentences avoid this."
+
+
+def unspoken_warning(job: Job, segment: int, by_eos: bool) -> str:
+    """What the user is told when the job's frame total ends it in (or right after) `segment`, before its last one."""
+    left = job.segments[segment + 1 :]
+    chars = sum(s.chars for s in left)
+    what = "the last segment" if len(left) == 1 else f"the last {len(left)} segments"
+    what += f" ({chars:,} characters)" if chars else ""
+    where = f"after segment {segment + 1}" if by_eos else f"in segment {segment + 1}"
+    rest = "" if by_eos else "the rest of it and "
+    return (f"The request's frame limit ({job.max_frames} frames, {job.max_frames / FRAMES_PER_SECOND:.1f} s) was reached {where} of "
+            f"{len(job.segments)}: {rest}{what} of the text went unspoken; raise the length limit or leave it at its default.")
+
+
 class _Timer:
     """GPU time between two points of a stream (CUDA events), or host time on CPU."""
 
@@ -211,6 +273,7 @@ class _Row:
     segment: int = 0
     frames: int = 0  # in this segment
     budget: int = 0  # frames this segment may make
+    limit: int = 0  # frames one segment may make (its budget, unless the job's total leaves it fewer)
     total: int = 0  # frames over all segments
     next_size: int = 0
     codes: list[np.ndarray] = field(default_factory=list)  # of the chunk being made
@@ -218,6 +281,7 @@ class _Row:
     chunk_index: int = 0
     samples: int = 0
     prefill_timers: list[_Timer] = field(default_factory=list)  # read with the segment's first frame
+    cut: list[tuple[int, int]] = field(default_factory=list)  # (segment, frame budget) of the segments cut at their own limit
 
 
 @dataclass
@@ -487,7 +551,9 @@ class Engine:
         job = state.handle.job
         segment = job.segments[state.segment]
         remaining = job.max_frames - state.total
-        state.budget = min(remaining, self.decoder.max_frames(segment.prompt.shape[1] + segment.awaits))
+        room = self.decoder.max_frames(segment.prompt.shape[1] + segment.awaits)
+        state.limit = min(room, job.segment_frames or room)
+        state.budget = min(remaining, state.limit)
         state.frames = 0
         timer = _Timer(self.cuda)
         with self._stream(self.gen_stream):
@@ -589,12 +655,14 @@ class Engine:
 
     def _end_segment(self, row: int, state: _Row, by_eos: bool) -> None:
         job = state.handle.job
+        state.handle.segment_frames.append(state.frames)
         last = state.segment + 1 >= len(job.segments) or state.total >= job.max_frames
-        if not by_eos and state.total < job.max_frames:
-            state.handle.warnings.append(
-                f"Segment {state.segment + 1} of {len(job.segments)} reached the {state.budget}-frame limit of one segment "
-                f"({state.budget / 12.5:.0f} s) and was cut there; shorter sentences avoid this."
-            )
+        if not by_eos and state.budget == state.limit:
+            state.cut.append((state.segment, state.budget))
+        if last and state.cut:
+            state.handle.warnings.append(cut_warning(state.cut, len(job.segments)))
+        if last and state.segment + 1 < len(job.segments):
+            state.handle.warnings.append(unspoken_warning(job, state.segment, by_eos))
         if not last:
             state.segment += 1
             try:

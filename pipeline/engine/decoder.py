@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.graphs import CUDAGraphed
-from pipeline.kernels import fused_available, fused_decode, fused_decode_logits, fused_linear, fused_sample, fused_supported
-from pipeline.kernels import code_predictor
-from pipeline.kernels.sampling import FrameText, RowState, code_step, next_token
+# pipeline.kernels imports Triton only when a kernel runs; its submodules (code_predictor, sampling) import it at
+# their own import, so they are imported where the frame runs in kernels: a CPU-only install has no Triton.
+from pipeline.kernels import FrameText, RowState, fused_available, fused_decode, fused_decode_logits, fused_linear, fused_sample, fused_supported
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer
 
@@ -169,8 +169,12 @@ class BatchDecoder:
                 if projects else (self.code_predictor_input, self.predictor_next))
             self.talker_input = zeros(rows, 1, config.hidden_size, dtype=dtype)
             self.next_hidden = zeros(rows, config.hidden_size, dtype=dtype)
-        persistent = code_predictor.PERSISTENT if persistent is None else persistent
-        self.predictor_kernel = code_predictor.CodePredictorKernel(talker.code_predictor, rows) if self.frame_kernels and persistent else None
+        self.predictor_kernel = None
+        if self.frame_kernels:
+            from pipeline.kernels import code_predictor
+
+            if code_predictor.PERSISTENT if persistent is None else persistent:
+                self.predictor_kernel = code_predictor.CodePredictorKernel(talker.code_predictor, rows)
         if self.frame_kernels and self.predictor_kernel is None:
             # The code predictor's next inputs come from its tables already in its width (the 1.7B's
             # projected once here): one input projection a frame instead of 15.
@@ -392,6 +396,8 @@ class BatchDecoder:
         kernel for the next codebook-0 token and the commit of every row's state. Same arithmetic as
         `_step`'s ops, in the kernels' order of sums. With `predictor_kernel` (all rows), the code
         predictor's steps are one persistent kernel instead."""
+        from pipeline.kernels.sampling import next_token
+
         text = FrameText(rows.trailing, rows.text_len, self.tts_pad)
         if self.predictor_kernel is not None:
             self.predictor_kernel(rows.code_predictor_input, rows.predictor_next, rows.talker_input, rows.sub_sampling, rows.seed_hash, rows.frame,
@@ -406,6 +412,8 @@ class BatchDecoder:
         """The code predictor a kernel per stage over the block's rows: the first step's input
         projection (the 1.7B's: the talker's state and codebook 0), then per step its layers, its head
         and `code_step`, which writes the next step's input from `next_tables` (already projected)."""
+        from pipeline.kernels.sampling import code_step
+
         predictor = self.talker.code_predictor
         project = predictor.small_to_mtp_projection
         if isinstance(project, torch.nn.Linear):

@@ -5,12 +5,17 @@ points; `pipeline.kernels.sampling` also has the frame's glue as kernels (`code_
 and `pipeline.kernels.code_predictor` the code predictor's whole frame in one persistent kernel (opt-in).
 
 `fused_decode` computes what `Transformer.decode` computes, for every cache row at once, reading
-the same modules' weights and writing the same KV caches, so the rest of the engine is unchanged."""
+the same modules' weights and writing the same KV caches, so the rest of the engine is unchanged.
+
+This package imports Triton only when a kernel runs (its submodules do, at their import): a
+CPU-only install has no Triton (PyTorch's CUDA wheels bring it), and the engine imports this package
+and the row state below whatever its device."""
 from __future__ import annotations
 
 import importlib.util
 import weakref
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -19,6 +24,33 @@ from pipeline.model import MLP, Transformer
 if TYPE_CHECKING:  # pipeline.engine imports this package
     from pipeline.engine.sampling import RowSampling
     from pipeline.kernels.decode import Workspace
+
+
+class FrameText(NamedTuple):
+    """The talker's text per row: trailing [rows, max_seq, H] (row r's text for frame f at [r, f]),
+    length [rows] (positions written), pad [H] (fed once the text is used up)."""
+
+    trailing: torch.Tensor
+    length: torch.Tensor
+    pad: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RowState:
+    """The per-row decode state that the end of a frame reads and advances ([rows] tensors; seen [rows, V])."""
+
+    seed_hash: torch.Tensor
+    frame: torch.Tensor
+    seen: torch.Tensor
+    penalty: torch.Tensor
+    active: torch.Tensor
+    token: torch.Tensor
+    max_frame: torch.Tensor
+    text_len: torch.Tensor
+    text_end: torch.Tensor
+    pos: torch.Tensor
+    produced: torch.Tensor
+
 
 _WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its split-K workspace
 

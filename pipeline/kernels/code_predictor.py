@@ -34,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pipeline.kernels import FrameText
 from pipeline.kernels.decode import (ATTENTION_BLOCK, BLOCK_M, Workspace, _attend, _check_split, _linear_finish, _linear_sums, _qkv_finish,
                                      _qkv_sums, arrive_and_wait, launch_options, tiles, wait_for_inputs)
-from pipeline.kernels.sampling import CANDIDATES, FrameText, _row_block, draw_code
+from pipeline.kernels.sampling import CANDIDATES, _row_block, draw_code
 
 if TYPE_CHECKING:
     from pipeline.engine.sampling import RowSampling

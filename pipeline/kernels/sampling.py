@@ -29,43 +29,17 @@ bit, which changes a draw only where it decides the cutoff to that bit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from pipeline.kernels import FrameText, RowState
 from pipeline.kernels.decode import launch_options, wait_for_inputs
 
 if TYPE_CHECKING:
     from pipeline.engine.sampling import RowSampling
-
-
-class FrameText(NamedTuple):
-    """The talker's text per row: trailing [rows, max_seq, H] (row r's text for frame f at [r, f]),
-    length [rows] (positions written), pad [H] (fed once the text is used up)."""
-
-    trailing: torch.Tensor
-    length: torch.Tensor
-    pad: torch.Tensor
-
-
-@dataclass(frozen=True)
-class RowState:
-    """The per-row decode state that the end of a frame reads and advances ([rows] tensors; seen [rows, V])."""
-
-    seed_hash: torch.Tensor
-    frame: torch.Tensor
-    seen: torch.Tensor
-    penalty: torch.Tensor
-    active: torch.Tensor
-    token: torch.Tensor
-    max_frame: torch.Tensor
-    text_len: torch.Tensor
-    text_end: torch.Tensor
-    pos: torch.Tensor
-    produced: torch.Tensor
 
 
 CANDIDATES = 8  # thresholds per round of the top-p search, the interval shrinking 8-fold (on an H100: 13 / 15 / 22 us with 8 / 16 / 32)

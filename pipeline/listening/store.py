@@ -2,8 +2,10 @@
 so a vote that was acknowledged survives the server being killed; many listeners may vote at once.
 
 A vote is checked against the listener's own trials (the design), refused before both (all) clips
-were played to the end, and stored once: the same trial voted again (a second tab, a double
-click) is refused with a message, and nothing stored changes.
+were played to the end and, for MUSHRA, while every slider still sits at its starting score, and
+stored once: the same trial voted again (a second tab, a double click) is refused with a message,
+and nothing stored changes. When the trial was shown and when the vote came are stored with it
+(the app's `Sessions` fills both in from its own clock and refuses a vote too soon for the clips).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ CREATE TABLE IF NOT EXISTS votes (
 );
 """
 NO_PREFERENCE = "none"
+MUSHRA_START = 50  # where every MUSHRA slider starts: a ballot with all of them still there rates nothing
 
 
 class VoteError(TTSInputError):
@@ -53,7 +56,8 @@ class Vote:
     confidence: int | None = None
     comment: str = ""
     plays: dict | None = None  # clip -> times played to the end
-    shown_at: float | None = None
+    shown_at: float | None = None  # seconds since the epoch: when the trial's clips were sent to the listener
+    voted_at: float | None = None  # when the vote came (None: now)
 
 
 class VoteStore:
@@ -75,13 +79,13 @@ class VoteStore:
         """Check and store one vote; returns its row id once committed. VoteError says what is wrong."""
         trial = self._trial(session, vote)
         clips = list(trial.clips)
-        _check_played(trial, vote.plays or {})
+        check_played(trial, vote.plays or {})
         choice, scores = _check_answer(session, trial, vote)
         if vote.confidence is not None and not 1 <= vote.confidence <= 5:
             raise VoteError("Confidence is 1 (unsure) to 5 (certain).")
         row = (session.name, vote.listener, trial.index, trial.item, session.test, json.dumps(clips), trial.x, choice,
                json.dumps(scores) if scores is not None else None, vote.confidence, (vote.comment or "")[:2000], json.dumps(vote.plays or {}),
-               vote.shown_at, time.time())
+               vote.shown_at, time.time() if vote.voted_at is None else vote.voted_at)
         db = self._connect()
         try:
             cursor = db.execute("INSERT INTO votes (session, listener, trial, item, test, clips, x, choice, scores, confidence, comment, plays, "
@@ -123,7 +127,7 @@ class VoteStore:
         return own[vote.trial]
 
 
-def _check_played(trial: Trial, plays: dict) -> None:
+def check_played(trial: Trial, plays: dict) -> None:
     unplayed = [chr(ord("A") + i) for i, _ in enumerate(trial.clips) if int(plays.get(str(i), 0)) < 1]
     if trial.x is not None and int(plays.get("x", 0)) < 1:
         unplayed.append("X")
@@ -137,6 +141,8 @@ def _check_answer(session: Session, trial: Trial, vote: Vote) -> tuple[str | Non
         wanted = {str(i) for i in range(len(trial.clips))}
         if set(scores) != wanted or not all(isinstance(v, (int, float)) and 0 <= v <= 100 for v in scores.values()):
             raise VoteError(f"Rate every one of the {len(trial.clips)} conditions from 0 to 100.")
+        if all(v == MUSHRA_START for v in scores.values()):
+            raise VoteError(f"Move the sliders to rate the conditions: every one still has the starting score of {MUSHRA_START}.")
         return None, {trial.clips[int(k)]: float(v) for k, v in scores.items()}  # by system, never shown to the listener
     allowed = {"A": trial.clips[0], "B": trial.clips[1]}
     if session.test == "ab":

@@ -19,20 +19,24 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from pipeline.audio import load_message_audio
 from pipeline.codec import MultiStreamDecoder
-from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, Engine, Handle, Job, Queued, SamplingConfig, Segment
+from pipeline.config_types import ROPE, check_config, dataclass_schema
+from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, Engine, Handle, Job, Mailbox, Queued, SamplingConfig, Segment, Waiting
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import load_part, read_json, resolve_checkpoint, torch_device, torch_dtype
-from pipeline.omni.code2wav import Code2Wav
-from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, ThinkerInputs, Turn, build_inputs
+from pipeline.model import CodePredictorConfig
+from pipeline.omni.code2wav import Code2Wav, Code2WavConfig
+from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, ThinkerInputs, Turn, build_inputs, check_turns
 from pipeline.omni.prompt import PromptIds, assistant_first, assistant_prefix, text_specials, user_part
-from pipeline.omni.talker import OmniTalker, OmniTalkerConfig
+from pipeline.omni.talker import OmniTalker, OmniTalkerConfig, TalkerTextConfig
 from pipeline.omni.thinker import Prefilled, Thinker, ThinkerSampling
+from pipeline.request import MAX_SCALE, MAX_SEED, MAX_TOP_K, check_integer, check_number, check_unicode
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once
 TALKER_MAX_SEQ = 4096  # talker positions per conversation: the user turns + 9 + frames
 CLOSE_TIMEOUT_S = 10.0
 SPEECH_TAIL_FRAMES = 25  # frames a reply may speak beyond one per token before it is cut (the talker ends sooner)
+MAX_REPLY_FRAMES = 2 * MAX_REPLY_TOKENS + SPEECH_TAIL_FRAMES  # speech frames at most: what the longest reply may speak
 FRAME_SECONDS = 0.08
 # The talker samples as transformers' Qwen3-Omni generate does; its code predictor with top-k 50, top-p 0.8.
 TALKER_SAMPLING = SamplingConfig(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
@@ -57,6 +62,27 @@ TALKER_SAMPLING = SamplingConfig(do_sample=True, temperature=0.9, top_k=50, top_
 BYTES_PER_PARAMETER = {torch.bfloat16: 2, torch.float32: 4}
 MEMORY_HEADROOM = 1.15  # caches, activations, CUDA graphs and the allocator's slack on top of the weights
 KNOWN_PARAMETERS = {HUB_ID: 35_260_000_000}  # checked before a download of ~70 GB
+
+
+# The keys of Qwen3-Omni's config.json that our loaders read (PromptIds, the talker, code2wav), by their JSON types.
+OMNI_CONFIG = {
+    **{name: int for name in ("im_start_token_id", "user_token_id", "assistant_token_id", "tts_pad_token_id", "tts_bos_token_id", "tts_eos_token_id")},
+    "architectures": list[str] | None,  # checked by transformers when it reads the file
+    "talker_config": {
+        "text_config": dataclass_schema(TalkerTextConfig, {TalkerTextConfig: {"rope_parameters": ROPE, "num_local_experts": int}}),
+        "code_predictor_config": dataclass_schema(CodePredictorConfig, {CodePredictorConfig: {"rope_parameters": ROPE}}),
+        **{name: int for name in ("thinker_hidden_size", "codec_eos_token_id", "accept_hidden_layer", "codec_nothink_id", "codec_think_bos_id",
+                                  "codec_think_eos_id", "codec_pad_id", "codec_bos_id")},
+        "speaker_id": dict[str, int],
+    },
+    "code2wav_config": dataclass_schema(Code2WavConfig, {Code2WavConfig: {"rope_parameters": ROPE}}),
+    "thinker_config": {
+        **{name: int for name in ("audio_token_id", "image_token_id", "video_token_id")},
+        # Read by transformers' thinker but not declared (so not checked) by its config classes.
+        "text_config": {"head_dim": int | None, "rope_parameters": {"rope_theta": float, "rope_type": str, "mrope_section": list[int],
+                                                                          "interleaved": bool}},
+    },
+}
 
 
 @dataclass
@@ -74,6 +100,23 @@ class ChatRequest:
     top_p: float | None = None
     top_k: int | None = None  # 0: no top-k cut
     speak: bool = True  # False: text only, the talker is not started
+
+    def validate(self) -> "ChatRequest":
+        """The checks that need no model, with the sentences a SpeechRequest gives the fields both have
+        (seed, top_p, top_k, max_frames); returns self with whole-number floats made ints."""
+        check_turns(self.turns)
+        for number, turn in enumerate(self.turns, 1):
+            check_unicode(f"Message {number}", turn.text, "messages")
+        check_unicode("The system prompt", self.system, "system")
+        check_unicode("speaker", self.speaker)
+        self.seed = check_integer("seed", self.seed, 0, MAX_SEED)
+        self.max_new_tokens = check_integer("max_new_tokens", self.max_new_tokens, 1, MAX_REPLY_TOKENS)
+        self.max_frames = check_integer("max_frames", self.max_frames, 1, MAX_REPLY_FRAMES)
+        self.temperature = check_number("temperature", self.temperature, lambda v: 0 <= v <= MAX_SCALE,
+                                        f"from 0 to {MAX_SCALE} (0: always the most likely token)")
+        self.top_p = check_number("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        self.top_k = check_integer("top_k", self.top_k, 0, MAX_TOP_K)
+        return self
 
 
 @dataclass
@@ -97,6 +140,7 @@ class ChatEnd:
     thinker_ms_per_token: float
     codes: np.ndarray  # int64 [frames, 16], layer-0 code first
     warnings: list[str] = field(default_factory=list)
+    dropped_turns: int = 0  # the oldest turns of the conversation left out to fit the model's context
 
 
 @dataclass
@@ -149,7 +193,7 @@ class OmniChat:
         if source in KNOWN_PARAMETERS:
             check_memory(None, torch_dev, torch_dt, KNOWN_PARAMETERS[source])
         directory = resolve_checkpoint(source, REQUIRED_FILES)
-        config = read_json(directory, "config.json")
+        config = read_config(directory)
         check_memory(directory, torch_dev, torch_dt)
         ids = PromptIds.from_config(config)
         talker_raw = config.get("talker_config") or {}
@@ -176,11 +220,8 @@ class OmniChat:
 
     def prepare(self, request: ChatRequest) -> _Prepared:
         """Everything checked and encoded before any work starts."""
+        request.validate()
         speaker = self.ids.speaker(request.speaker)
-        if not 1 <= request.max_new_tokens <= MAX_REPLY_TOKENS:
-            raise TTSInputError(f"max_new_tokens must be from 1 to {MAX_REPLY_TOKENS}, not {request.max_new_tokens}.")
-        if request.max_frames is not None and request.max_frames < 1:
-            raise TTSInputError("max_frames must be at least 1.")
         schedule = tuple(int(n) for n in request.schedule)
         if not schedule or min(schedule) < 1:
             raise TTSInputError(f"A chunk schedule is a list of positive frame counts, not {list(request.schedule)}.")
@@ -188,7 +229,8 @@ class OmniChat:
         inputs = build_inputs(self.tokenizer, self.feature_extractor, [_with_audio_loaded(t) for t in request.turns], request.system, MAX_PROMPT)
         warnings = []
         if inputs.dropped_turns:
-            warnings.append(f"The conversation was longer than the model's context: the {inputs.dropped_turns} oldest turns were left out.")
+            dropped = inputs.dropped_turns
+            warnings.append(f"The conversation was longer than the model's context: the {dropped} oldest turn{'s were' if dropped > 1 else ' was'} left out.")
         user_positions = int(inputs.input_ids.shape[1])  # at most; the talker reads only the user turns
         room = self.engine.decoder.max_frames(user_positions + 9)
         max_frames = min(request.max_frames or 2 * request.max_new_tokens + SPEECH_TAIL_FRAMES, room)
@@ -198,12 +240,6 @@ class OmniChat:
 
     def _thinker_sampling(self, request: ChatRequest) -> ThinkerSampling:
         """The checkpoint's thinker sampling with the request's overrides; greedy, or temperature 0, is argmax."""
-        if request.temperature is not None and request.temperature < 0:
-            raise TTSInputError(f"temperature must be at least 0 (0: always the most likely token), not {request.temperature}.")
-        if request.top_p is not None and not 0 < request.top_p <= 1:
-            raise TTSInputError(f"top_p must be more than 0 and at most 1, not {request.top_p}.")
-        if request.top_k is not None and request.top_k < 0:
-            raise TTSInputError(f"top_k must be at least 0 (0: no top-k cut), not {request.top_k}.")
         overrides = {name: value for name in ("temperature", "top_p", "top_k") if (value := getattr(request, name)) is not None}
         if request.greedy or overrides.get("temperature") == 0:
             overrides.pop("temperature", None)  # the sampler divides by it even for rows that take the argmax
@@ -230,11 +266,12 @@ class ChatStream:
     """One reply in the making. Iterate for text deltas, queue positions while the talker waits for
     a row, audio chunks (their `elapsed_ms` counted from the start of the request) and, last, a
     ChatEnd. `close()` (from any thread: Stop, a new message) stops the thinker and the talker at
-    once; the iteration then ends with a ChatEnd marked stopped."""
+    once; the iteration then ends with a ChatEnd marked stopped. `items(wait=False)` yields a
+    `Waiting` where it would block (an event loop's reader holds no thread meanwhile)."""
 
     def __init__(self, chat: OmniChat, prepared: _Prepared):
         self.started = time.perf_counter()
-        self.events: queue.Queue = queue.Queue()
+        self.events = Mailbox()
         self.stop = threading.Event()
         self.warnings = list(prepared.warnings)
         self.turn = _Turn(chat, prepared, self.events, self.stop, self.started)
@@ -242,9 +279,15 @@ class ChatStream:
         self.worker.start()
 
     def __iter__(self) -> Iterator[TextDelta | Queued | Chunk | ChatEnd]:
+        return self.items()
+
+    def items(self, wait: bool = True) -> Iterator[TextDelta | Queued | Chunk | ChatEnd | Waiting]:
         first_audio_ms, frames = None, 0
         try:
             while True:
+                if not wait and self.events.empty():
+                    yield Waiting(self.events.when_ready)
+                    continue
                 event = self.events.get()
                 if isinstance(event, BaseException):
                     raise event
@@ -400,7 +443,8 @@ class _Turn:
     def _finish(self) -> None:
         text = self.chat.tokenizer.decode(self.tokens, skip_special_tokens=True)
         stopped = self.stop.is_set() or (self.handle is not None and self.handle.stopped)
-        self.events.put(ChatEnd(text, list(self.tokens), 0, stopped, self.first_text_ms, None, self.thinker_ms, self.codes, self.warnings))
+        self.events.put(ChatEnd(text, list(self.tokens), 0, stopped, self.first_text_ms, None, self.thinker_ms, self.codes, self.warnings,
+                                self.prepared.inputs.dropped_turns))
 
 
 def _with_audio_loaded(turn: Turn) -> Turn:
@@ -408,6 +452,29 @@ def _with_audio_loaded(turn: Turn) -> Turn:
     if turn.audio is None or isinstance(turn.audio, np.ndarray):
         return turn
     return dataclasses.replace(turn, audio=load_message_audio(turn.audio, AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS))
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """The checkpoint's config.json, every value our loaders and transformers' thinker read of the type it must be."""
+    config = read_json(directory, "config.json")
+    check_config(directory / "config.json", config, OMNI_CONFIG)
+    _check_transformers_types(directory / "config.json", config)
+    return config
+
+
+def _check_transformers_types(path: Path, config: dict[str, Any]) -> None:
+    """The thinker's config is transformers' to read, and its config classes check each field's type
+    (huggingface_hub's strict dataclasses): asked here, before any weight loads, the answer is one sentence."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+
+    try:
+        Qwen3OmniMoeConfig.from_dict(config)
+    except StrictDataclassError as exc:  # its message goes on to print the whole value; the field says enough
+        where = str(exc).splitlines()[0].rstrip(":").replace("Validation error for", "the")
+        raise CheckpointError(f"{path}: transformers' Qwen3-Omni config refuses {where}, a value of the wrong type.") from None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a Qwen3-Omni config transformers can read: {' '.join(str(exc).split())}") from None
 
 
 def load_talker(directory: Path, raw: dict, device: torch.device, dtype: torch.dtype) -> OmniTalker:

@@ -63,33 +63,61 @@ def check_turns(turns: list[Turn]) -> None:
 
 def layout(turns: list[Turn], system: str) -> str:
     """The chat-format text of a conversation, with one `<|audio_pad|>` per audio message."""
-    parts = [f"{IM_START}system\n{system}{IM_END}\n"] if system.strip() else []
-    for turn in turns:
-        audio = f"{AUDIO_START}{AUDIO_PAD}{AUDIO_END}" if turn.audio is not None else ""
-        parts.append(f"{IM_START}{turn.role}\n{audio}{turn.text}{IM_END}\n")
-    parts.append(f"{IM_START}assistant\n")
-    return "".join(parts)
+    return _frame(system) + "".join(_turn_text(turn) for turn in turns) + f"{IM_START}assistant\n"
+
+
+def _frame(system: str) -> str:
+    return f"{IM_START}system\n{system}{IM_END}\n" if system.strip() else ""
+
+
+def _turn_text(turn: Turn) -> str:
+    audio = f"{AUDIO_START}{AUDIO_PAD}{AUDIO_END}" if turn.audio is not None else ""
+    return f"{IM_START}{turn.role}\n{audio}{turn.text}{IM_END}\n"
 
 
 def build_inputs(tokenizer, feature_extractor, turns: list[Turn], system: str, max_prompt: int) -> ThinkerInputs:
     """Token ids and audio features of the conversation; drops the oldest turns (a user turn with the
     replies after it) while the prompt is longer than `max_prompt` positions."""
     check_turns(turns)
-    _check_control_tokens(tokenizer, turns, system)
-    dropped = 0
-    while True:
-        inputs = _encode(tokenizer, feature_extractor, turns[dropped:], system)
-        if inputs.input_ids.shape[1] <= max_prompt:
-            inputs.dropped_turns = dropped
-            return inputs
-        later_users = [i for i in range(dropped + 1, len(turns)) if turns[i].role == "user"]
-        if not later_users:
-            raise TTSInputError(f"The message is {inputs.input_ids.shape[1]} tokens long with the system prompt; "
-                                f"the model takes at most {max_prompt}. Send a shorter message.")
-        dropped = later_users[0]
+    check_control_tokens(tokenizer, turns, system)
+    first = _first_kept(tokenizer, feature_extractor, turns, system, max_prompt)
+    inputs = _encode(tokenizer, feature_extractor, turns[first:], system)
+    inputs.dropped_turns = first
+    return inputs
 
 
-def _check_control_tokens(tokenizer, turns: list[Turn], system: str) -> None:
+def _first_kept(tokenizer, feature_extractor, turns: list[Turn], system: str, max_prompt: int) -> int:
+    """The first turn of the longest tail of the conversation that fits `max_prompt` and starts the
+    conversation or at a user turn. Turns are measured newest first, each once, until one does not
+    fit: a long history costs what is kept, not (turns x dropped) tokenizations. Every turn starts
+    and ends with a special token, which the tokenizer never merges across, so the lengths add up."""
+    length = _length(tokenizer, _frame(system) + f"{IM_START}assistant\n")
+    first = len(turns)
+    for index in range(len(turns) - 1, -1, -1):
+        length += _turn_length(tokenizer, feature_extractor, turns[index])
+        if length > max_prompt:
+            break
+        if index == 0 or turns[index].role == "user":
+            first = index
+    if first == len(turns):  # the message (the last turn, a user's) is too long on its own
+        raise TTSInputError(f"The message is {length} tokens long with the system prompt; the model takes at most {max_prompt}. Send a shorter message.")
+    return first
+
+
+def _length(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _turn_length(tokenizer, feature_extractor, turn: Turn) -> int:
+    """Positions of one turn in the prompt: its tokens, its one `<|audio_pad|>` counted as the encoder's positions."""
+    if turn.audio is None:
+        return _length(tokenizer, _turn_text(turn))
+    mask = feature_extractor([turn.audio], sampling_rate=AUDIO_SAMPLE_RATE, padding=True, truncation=False, return_attention_mask=True,
+                             return_tensors="pt")["attention_mask"]
+    return _length(tokenizer, _turn_text(turn)) - 1 + audio_positions(int(mask.sum()))
+
+
+def check_control_tokens(tokenizer, turns: list[Turn], system: str) -> None:
     # Typed control tokens would be read as structure: a turn ending early, an audio placeholder.
     specials = [t for t in tokenizer.all_special_tokens if t.startswith("<|")]
     for text in [system] + [turn.text for turn in turns]:

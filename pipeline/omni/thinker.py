@@ -10,6 +10,12 @@ as two graphs per length bucket, split at the layer the talker reads, into a sta
 then into the slot. Forward calls are serialized by a lock, so
 conversations interleave token by token. Sampling uses the engine's counter-based draws: the
 same seed gives the same reply.
+
+Prompt and step both run transformers' decoder layers and rotary embedding directly (the model's
+own forward would rebuild positions and masks from its per-module state). Those are internals
+that move between releases (5.21 nests the text model one level deeper, 5.24 renames the layers'
+cache argument), so the driver reaches them through `get_decoder()`, passes the cache by position,
+and refuses at load a transformers release outside the range it is tested on.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 from pipeline.engine.sampling import M32, RowSampling, exponential_noise, mix32, sample_rows
 from pipeline.errors import CheckpointError
@@ -33,6 +40,16 @@ from pipeline.omni.conversation import ThinkerInputs
 log = logging.getLogger(__name__)
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # prompt lengths with a prefill graph (zero-padded to the next)
 SLOT_POLL_S = 0.05  # how often a turn waiting for a free slot looks at its stop flag
+# The transformers releases the driver is tested on (both ends included); requirements.txt allows these.
+SUPPORTED_TRANSFORMERS = ("5.15.1", "5.24.0")
+
+
+def check_transformers_version(installed: str) -> None:
+    """Refuse a transformers release outside SUPPORTED_TRANSFORMERS, in one sentence, before any loading."""
+    oldest, newest = SUPPORTED_TRANSFORMERS
+    if not Version(oldest) <= Version(installed) <= Version(newest):
+        raise CheckpointError(f"The Omni thinker supports transformers {oldest} to {newest}, but {installed} is installed; "
+                              f"install a supported one with pip install 'transformers>={oldest},<={newest}'.")
 
 
 @dataclass(frozen=True)
@@ -127,6 +144,7 @@ class Thinker:
 
     def __init__(self, model, accept_hidden_layer: int, slots: int = 1, max_len: int = 4096):
         self.model = model
+        self.text = model.get_decoder()  # the text model: embeddings, rotary embedding, decoder layers, norm
         self.accept_hidden_layer = accept_hidden_layer
         self.max_len = max_len
         self.lock = threading.Lock()
@@ -176,6 +194,9 @@ class Thinker:
     def from_pretrained(cls, directory: Path, device: torch.device, dtype: torch.dtype, accept_hidden_layer: int, **options) -> "Thinker":
         """The `thinker.*` part of an official Qwen3-Omni checkpoint, through transformers' loader
         (which also stacks the per-expert tensors); the talker and code2wav tensors are ours to load."""
+        import transformers
+
+        check_transformers_version(transformers.__version__)
         from transformers import logging as hf_logging
         from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
@@ -258,19 +279,27 @@ class Thinker:
         """Layers first..last-1 over `bucket` positions of the prompt buffer (what a prefill graph
         holds), writing keys and values into the staging cache; the lower part reads the input
         embeddings and leaves its output where the upper part reads it."""
-        text = self.model.model
         positions = self.key_positions[:bucket]
         self.staging.index = positions
         mask = torch.where(self.key_positions[None, :self.buckets[-1]] <= positions[:, None], 0.0, self.masked).to(self.masked.dtype)
         hidden = self.prefill_in[:, :bucket] if first == 0 else self.prefill_mid[:, :bucket]
-        position_ids = positions.view(1, 1, -1).expand(3, 1, -1)
-        rope = text.rotary_emb(hidden, position_ids)
-        for layer in text.layers[first:last]:
-            hidden = layer(hidden, attention_mask=mask[None, None], position_ids=None, past_key_values=self.staging, position_embeddings=rope)
-        if last < len(text.layers):
+        hidden = self._layers(hidden, positions, mask, self.staging, first, last)
+        if last < len(self.text.layers):
             self.prefill_mid[:, :bucket].copy_(hidden)
             return self.prefill_mid[:, :bucket]
-        return text.norm(hidden)
+        return self.text.norm(hidden)
+
+    def _layers(self, hidden: torch.Tensor, rope_positions: torch.Tensor, mask: torch.Tensor, cache: StaticKV,
+                first: int, last: int) -> torch.Tensor:
+        """Decoder layers first..last-1 over `hidden` [1, n, hidden] at `rope_positions` [n], attending
+        where `mask` [n, keys] is 0, keys and values written into `cache`."""
+        # Text and audio prompts have sequential multimodal rope positions (no images or video): all three rows alike.
+        rope = self.text.rotary_emb(hidden, rope_positions.view(1, 1, -1).expand(3, 1, -1))
+        for layer in self.text.layers[first:last]:
+            # (hidden, attention_mask, position_ids, cache): the cache by position, as its keyword is
+            # `past_key_values` up to transformers 5.23 and `cache` from 5.24.
+            hidden = layer(hidden, mask[None, None], None, cache, position_embeddings=rope)
+        return hidden
 
     @torch.inference_mode()
     def step(self, state: ThinkerState, token: int) -> torch.Tensor:
@@ -290,11 +319,9 @@ class Thinker:
 
     def _decode(self, slot: _Slot) -> torch.Tensor:
         """One token of `slot` through the model: what its graph holds."""
-        kv = slot.kv
-        mask = torch.where(self.key_positions <= kv.position, 0.0, self.masked).to(self.masked.dtype)
-        out = self.model(input_ids=slot.token, position_ids=slot.rope_position.view(1, 1, 1).expand(3, 1, 1),
-                         attention_mask=mask.view(1, 1, 1, -1), past_key_values=kv, use_cache=True)
-        return out.logits[0, -1]
+        mask = torch.where(self.key_positions <= slot.kv.position, 0.0, self.masked).to(self.masked.dtype)
+        hidden = self._layers(self.model.get_input_embeddings()(slot.token), slot.rope_position, mask[None], slot.kv, 0, len(self.text.layers))
+        return self.model.lm_head(self.text.norm(hidden))[0, -1]
 
     @torch.inference_mode()
     def pick(self, state: ThinkerState, logits: torch.Tensor) -> int:

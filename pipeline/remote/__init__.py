@@ -5,6 +5,7 @@ backend.py: the HTTP client, what the server serves, its errors as sentences. sp
 request's body and its streamed PCM as Chunks. chat.py: a Qwen3-Omni conversation's body and its
 streamed events as the chat's items. service.py: the entry point.
 """
+from pipeline.remote.backend import StallRule
 from pipeline.remote.service import RemoteService
 
-__all__ = ["RemoteService"]
+__all__ = ["RemoteService", "StallRule"]

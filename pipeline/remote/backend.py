@@ -19,13 +19,30 @@ from pipeline.service import API_TASK_TYPES
 
 CONNECT_TIMEOUT_S = 10.0
 # A backend that sends nothing for this long is taken as gone. Generous: a request may wait in the
-# backend's queue, or for its model to load, before its first audio.
+# backend's queue, or for its model to load, before its first audio. Once audio has started, a
+# `StallRule` decides, in seconds.
 READ_TIMEOUT_S = 300.0
 LOAD_TIMEOUT_S = 1800.0  # a first use that downloads and loads a checkpoint on the backend
 KEY_HINT = "give the backend's key with --backend-key (or QWEN_TTS_BACKEND_KEY)"
 TASK_NAMES = {kind: name for name, kind in API_TASK_TYPES.items()}
 # vLLM-Omni names a Qwen3-TTS checkpoint's task at the end of its name (as its own adapter reads it).
 VARIANT = re.compile(r"(custom[-_.]?voice|voice[-_.]?design|base)$")
+
+
+@dataclass(frozen=True)
+class StallRule:
+    """When a stream whose audio has started counts as stalled: no audio chunk for `gaps` times the
+    longest interval between two of its chunks so far, and for at least `floor_s` seconds (a chunk's
+    interval grows with the chunk schedule, and a new request joining the backend's batch delays one)."""
+
+    floor_s: float = 5.0
+    gaps: float = 4.0
+
+    def limit(self, longest_interval_s: float) -> float:
+        return max(self.floor_s, self.gaps * longest_interval_s)
+
+    def __str__(self) -> str:
+        return f"{self.gaps:g} times its slowest chunk so far, at least {self.floor_s:g} s"
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,10 @@ class Backend:
     def stopped_answering(self, exc: Exception, audio_seconds: float) -> BackendUnavailable:
         return BackendUnavailable(f"The backend at {self.url} stopped answering after {audio_seconds:.1f} s of audio ({describe(exc)}); "
                                   "check that it still runs, then try again.")
+
+    def stalled(self, silence_s: float, audio_seconds: float, rule: StallRule) -> BackendUnavailable:
+        return BackendUnavailable(f"The backend at {self.url} stalled: it sent no audio for {silence_s:.1f} s after {audio_seconds:.1f} s of it "
+                                  f"(the limit once audio has started: {rule}); check that it still runs, then try again.")
 
 
 def model_type_of(entry: dict) -> str | None:

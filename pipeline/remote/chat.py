@@ -115,9 +115,13 @@ def reply_items(response: httpx.Response, connection: Connection, backend: Backe
             data = line[len("data:"):].strip() if line.startswith("data:") else ""
             if data == "[DONE]":
                 break
-            if data:
-                yield from reader.items(json.loads(data))
+            for item in reader.items(json.loads(data)) if data else []:
+                if isinstance(item, Chunk):
+                    connection.audio_arrived()
+                yield item
     except httpx.TransportError as exc:
         if not connection.stopped:
-            raise backend.stopped_answering(exc, reader.samples / SAMPLE_RATE) from None
+            raise connection.broken(backend, exc, reader.samples / SAMPLE_RATE) from None
+    if connection.stalled_for is not None:  # a response that its connection's close delimits reads as ended
+        raise connection.broken(backend, TimeoutError(), reader.samples / SAMPLE_RATE)
     yield reader.end(connection.stopped)

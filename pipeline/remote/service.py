@@ -21,7 +21,7 @@ from pipeline import voice_file
 from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.model import MODEL_TYPES
-from pipeline.remote.backend import LOAD_TIMEOUT_S, TASK_NAMES, Backend
+from pipeline.remote.backend import LOAD_TIMEOUT_S, TASK_NAMES, Backend, StallRule
 from pipeline.remote.chat import QWEN3_OMNI_VOICES, chat_body, reply_items
 from pipeline.remote.speech import SAMPLE_RATE, SAMPLES_PER_FRAME, Connection, data_url, pcm_chunks, speech_body, unsent_settings
 from pipeline.request import SpeechRequest
@@ -34,10 +34,12 @@ REFERENCES_KEPT = 8  # encoded reference recordings (a few MB each)
 class RemoteService:
     """The UI's models served by the backend at `url` (this app's API, or vLLM-Omni), `key` its API key.
     Raises TTSInputError (BackendUnavailable) at once when the backend cannot be reached, refuses the
-    key, or serves no model a tab can use: the tabs are made from what it serves."""
+    key, or serves no model a tab can use: the tabs are made from what it serves. `stall`: when a
+    stream whose audio has started is taken as stalled (see StallRule)."""
 
-    def __init__(self, url: str, key: str | None = None):
+    def __init__(self, url: str, key: str | None = None, stall: StallRule | None = None):
         self.backend = Backend(url, key)
+        self.stall = stall or StallRule()
         self.url = self.backend.url
         self.ours, models = self.backend.models()
         if not models:
@@ -165,10 +167,11 @@ class RemoteService:
             reference = self._reference(request.ref_audio) if request.model_type == "base" else None
         warnings = self._unsent_warnings(request)
         body = speech_body(request, checkpoint, self.ours, reference)
+        end_warnings: list[str] = []  # this app's backend tells them at the stream's end (text left unspoken)
         with self._call("/v1/audio/speech", body, key) as (response, connection, started):
             yield StreamStart(checkpoint, self._random_weights(response, request.model_type, checkpoint), warnings, backend=self.url)
-            yield from pcm_chunks(response, connection, self.backend, started)
-        yield StreamEnd(connection.stopped)
+            yield from pcm_chunks(response, connection, self.backend, started, end_warnings if self.ours else None)
+        yield StreamEnd(connection.stopped, end_warnings)
 
     def chat(self, request: ChatRequest, checkpoint: str | None = None, key: str = "") -> Iterator[StreamStart | TextDelta | Chunk | ChatEnd | StreamEnd]:
         """As `ModelService.chat`: the reply's text and speech as they arrive, a ChatEnd, a StreamEnd; a new
@@ -190,7 +193,7 @@ class RemoteService:
     def _call(self, path: str, body: dict, key: str) -> Iterator[tuple[httpx.Response, Connection, float]]:
         """A streamed POST (its response, its connection, when it was sent), known under `key` while it
         runs: Stop, or the key's next run, closes it."""
-        connection = Connection()
+        connection = Connection(self.stall)
         self._running.add(key, connection)
         try:
             started = time.perf_counter()
@@ -198,6 +201,7 @@ class RemoteService:
                 connection.attach(response)
                 yield response, connection, started
         finally:
+            connection.end()
             self._running.remove(key, connection)
 
     def _random_weights(self, response: httpx.Response, model_type: str, checkpoint: str) -> bool:

@@ -1,8 +1,10 @@
 """A Qwen3-TTS request over `POST /v1/audio/speech`: the body (our `SpeechRequest` in the fields both
-servers read), and the streamed raw PCM cut back into `Chunk`s timed by their arrival here."""
+servers read), and the streamed audio (raw PCM, or this app's SSE events) cut back into `Chunk`s timed
+by their arrival here."""
 from __future__ import annotations
 
 import base64
+import json
 import math
 import mimetypes
 import socket
@@ -16,7 +18,8 @@ import httpx
 import numpy as np
 
 from pipeline.engine import DEFAULT_SCHEDULE, Chunk, SamplingConfig
-from pipeline.remote.backend import TASK_NAMES, Backend
+from pipeline.errors import BackendUnavailable
+from pipeline.remote.backend import TASK_NAMES, Backend, StallRule
 from pipeline.request import SpeechRequest
 
 SAMPLE_RATE = 24000
@@ -28,10 +31,12 @@ UNSENT_TO_VLLM = ("temperature", "top_k", "top_p", "repetition_penalty")
 
 def speech_body(request: SpeechRequest, checkpoint: str, ours: bool, reference: str | None) -> dict:
     """The JSON body: raw PCM streamed (`stream` for this app and older vLLM-Omni, `stream_format` for
-    current vLLM-Omni, which streams SSE events on `stream` alone). vLLM-Omni refuses the Base-only fields
-    on other tasks, so each task sends only its own."""
+    current vLLM-Omni, which streams SSE events on `stream` alone); from this app, SSE events, which
+    also carry the warnings of the stream's end (text left unspoken). vLLM-Omni refuses the Base-only
+    fields on other tasks, so each task sends only its own."""
     body = {"input": request.text, "model": checkpoint, "task_type": TASK_NAMES[request.model_type], "language": request.language,
-            "response_format": "pcm", "stream": True, "stream_format": "audio", "seed": request.seed, "max_new_tokens": request.max_frames}
+            "response_format": "pcm", "stream": True, "stream_format": "sse" if ours else "audio", "seed": request.seed,
+            "max_new_tokens": request.max_frames}
     if request.model_type == "custom_voice":
         body.update(voice=request.speaker, instructions=request.instruct or None)
     elif request.model_type == "voice_design":
@@ -61,12 +66,54 @@ def data_url(path: str | Path) -> str:
 
 class Connection:
     """A streamed response that another thread may end (Stop): shutting its socket down wakes the
-    reading thread at once, and the server sees its client gone (this app then frees the engine row)."""
+    reading thread at once, and the server sees its client gone (this app then frees the engine row).
+    Once its audio has started, a watch ends it the same way when the backend stalls (`stall`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall: StallRule | None = None) -> None:
         self.stopped = False
+        self.stall = stall or StallRule()
+        self.stalled_for: float | None = None  # the silence after which the watch ended it
         self._response: httpx.Response | None = None
         self._lock = threading.Lock()
+        self._heard = threading.Condition(self._lock)  # an audio chunk arrived, or the stream is over
+        self._last_audio: float | None = None  # time.monotonic() of the last audio chunk's arrival
+        self._longest_interval = 0.0
+        self._over = False
+
+    def audio_arrived(self) -> None:
+        """Called by the reader on each audio chunk: the first starts the stall watch."""
+        now = time.monotonic()
+        with self._lock:
+            first = self._last_audio is None
+            if not first:
+                self._longest_interval = max(self._longest_interval, now - self._last_audio)
+            self._last_audio = now
+            self._heard.notify()
+        if first:
+            threading.Thread(target=self._watch, name="backend-stall-watch", daemon=True).start()
+
+    def end(self) -> None:
+        """The stream is over (read to its end, failed or stopped): the watch ends."""
+        with self._lock:
+            self._over = True
+            self._heard.notify()
+
+    def broken(self, backend: Backend, exc: Exception, audio_seconds: float) -> BackendUnavailable:
+        """Why the stream broke off (not by Stop): the stall the watch saw, or the backend's going away."""
+        if self.stalled_for is not None:
+            return backend.stalled(self.stalled_for, audio_seconds, self.stall)
+        return backend.stopped_answering(exc, audio_seconds)
+
+    def _watch(self) -> None:
+        with self._lock:
+            while not (self._over or self.stopped):
+                limit = self.stall.limit(self._longest_interval)
+                left = self._last_audio + limit - time.monotonic()
+                if left <= 0:
+                    self.stalled_for = limit
+                    self._shutdown()  # the reading thread wakes with a transport error (or the response's end)
+                    return
+                self._heard.wait(left)
 
     def attach(self, response: httpx.Response) -> None:
         with self._lock:
@@ -77,6 +124,7 @@ class Connection:
     def close(self) -> None:
         with self._lock:
             self.stopped = True
+            self._heard.notify()
             if self._response is not None:
                 self._shutdown()
 
@@ -120,16 +168,33 @@ class PcmCutter:
         return chunk
 
 
-def pcm_chunks(response: httpx.Response, connection: Connection, backend: Backend, started: float) -> Iterator[Chunk]:
-    """The response's audio as Chunks. Stop ends it quietly; a backend that goes away raises BackendUnavailable."""
+def pcm_chunks(response: httpx.Response, connection: Connection, backend: Backend, started: float,
+               warnings: list[str] | None = None) -> Iterator[Chunk]:
+    """The response's audio as Chunks: raw PCM or, given `warnings`, this app's SSE events (their
+    warnings are added to it). Stop ends it quietly; a backend that goes away raises BackendUnavailable."""
     cutter = PcmCutter(started)
     try:
-        for data in response.iter_bytes():
+        for data in (response.iter_bytes() if warnings is None else sse_audio(response, warnings)):
             if (chunk := cutter.take(data)) is not None:
+                connection.audio_arrived()
                 yield chunk
     except httpx.TransportError as exc:
         if connection.stopped:
             return
-        raise backend.stopped_answering(exc, cutter.audio_seconds) from None
+        raise connection.broken(backend, exc, cutter.audio_seconds) from None
+    if connection.stalled_for is not None:  # a response that its connection's close delimits reads as ended
+        raise connection.broken(backend, TimeoutError(), cutter.audio_seconds)
     if (chunk := cutter.take(b"", final=True)) is not None:
         yield chunk
+
+
+def sse_audio(response: httpx.Response, warnings: list[str]) -> Iterator[bytes]:
+    """The PCM of this app's `speech.audio.delta` events; its `speech.audio.warning`s go to `warnings`."""
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        if event.get("type") == "speech.audio.delta":
+            yield base64.b64decode(event["audio"])
+        elif event.get("type") == "speech.audio.warning":
+            warnings.append(event["message"])

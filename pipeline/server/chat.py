@@ -16,7 +16,8 @@ vllm-omni's `audio_metadata`. Streamed: Server-Sent Events of `chat.completion.c
 vllm-omni's top-level `modality`: "text" chunks carry text in `delta.content`; "audio" chunks carry
 one audio chunk in `delta.content`, base64 of a complete file in `audio.format` (a WAV has its own
 header; pcm is raw 16-bit samples), with `audio_metadata`; then a chunk with the `finish_reason`, and
-`data: [DONE]`. A client that goes away mid-stream frees its engine row.
+`data: [DONE]`. Ours: `dropped_turns` (on the completion, and on the chunk with the `finish_reason`)
+counts the oldest messages left out to fit the model's context (0: none). A client that goes away mid-stream frees its engine row.
 """
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pipeline.audio import load_message_audio
@@ -40,7 +42,8 @@ from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE
 from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, input_error, serve, until_gone
-from pipeline.service import MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, OMNI, ChatEnd, ChatRequest, ModelService, StreamEnd, StreamStart, TextDelta, Turn
+from pipeline.server.streaming import steps
+from pipeline.service import MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, OMNI, ChatEnd, ChatRequest, ModelService, StreamEnd, StreamStart, TextDelta, Turn, Waiting
 
 FIELDS = {"model", "messages", "modalities", "audio", "speaker", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p",
           "top_k", "seed"}
@@ -70,12 +73,15 @@ class _Reply:
     model: str
     im_end: int
 
-    def chunk(self, modality: str | None, delta: dict, finish_reason: str | None = None, **extra) -> bytes:
-        """One `chat.completion.chunk` event; `modality` is vllm-omni's mark of what `delta.content` holds."""
+    def chunk(self, modality: str | None, delta: dict, finish_reason: str | None = None, dropped_turns: int | None = None, **extra) -> bytes:
+        """One `chat.completion.chunk` event; `modality` is vllm-omni's mark of what `delta.content` holds;
+        the last one says how many of the oldest turns were left out (`dropped_turns`, ours)."""
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, **extra}]}
         if modality is not None:
             body["modality"] = modality
+        if dropped_turns is not None:
+            body["dropped_turns"] = dropped_turns
         return _event(body)
 
     def finish_reason(self, end: ChatEnd) -> str:
@@ -104,11 +110,14 @@ def parse_chat(data: dict, service: ModelService) -> ChatCall:
     modalities = _modalities(data.get("modalities", list(MODALITIES)))
     voice, audio_format = _audio_options(data.get("audio"), data.get("speaker"))
     system, turns = _conversation(data.get("messages"))
-    sampling = {name: _number(data, name, integer=name == "top_k") for name in ("temperature", "top_p", "top_k")}
+    sampling = {name: data.get(name) for name in ("temperature", "top_p", "top_k")}
     if sampling["top_k"] == -1:  # vLLM's "no top-k cut"
         sampling["top_k"] = 0
-    options = {"system": system, "speaker": voice, "seed": _number(data, "seed", integer=True), "max_new_tokens": _max_tokens(data), **sampling}
-    request = ChatRequest(turns, speak="audio" in modalities, **{name: value for name, value in options.items() if value is not None})
+    options = {"system": system, "speaker": voice, "seed": data.get("seed"), "max_new_tokens": _max_tokens(data), **sampling}
+    try:  # checked as the model checks them, in the same sentences as the speech API's fields of the same names
+        request = ChatRequest(turns, speak="audio" in modalities, **{name: value for name, value in options.items() if value is not None}).validate()
+    except TTSInputError as exc:
+        raise ApiError(400, str(exc), exc.field) from None
     return ChatCall(request, checkpoint, "text" in modalities, audio_format if "audio" in modalities else None, stream)
 
 
@@ -245,25 +254,26 @@ def _audio_part(part: dict, number: int) -> np.ndarray:
         raise ApiError(400, str(exc), "messages") from None
 
 
-def _respond(call: ChatCall, service: ModelService, key: str, done: Callable[[], None]) -> Response:
-    events = service.chat(call.request, call.checkpoint, key)
+async def _respond(call: ChatCall, service: ModelService, key: str, done: Callable[[], None]) -> Response:
+    events = service.chat(call.request, call.checkpoint, key, wait=False)
     try:
-        start = next(events)  # the request checked against the checkpoint (voice, control tokens, length) before any work
+        start = await run_in_threadpool(next, events)  # the request checked against the checkpoint (voice, control tokens, length) before any work
     except TTSInputError as exc:
         raise input_error(exc) from None
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), start.checkpoint, service.model(OMNI, start.checkpoint).im_end)
     headers = {"X-Random-Weights": str(start.random_weights).lower()}
     if call.stream:
-        return StreamingResponse(until_gone(_sse(events, call, reply), service, key, done), media_type="text/event-stream", headers=headers)
+        return until_gone(_sse(events, call, reply), service, key, done, media_type="text/event-stream", headers=headers)
     try:
-        return JSONResponse(_completion(events, call, reply), headers=headers)
+        collected = [event async for event in steps(events)]
     except TTSInputError as exc:  # a full engine queue is found once the thinker has read the prompt
         raise input_error(exc) from None
     finally:
-        events.close()
+        await run_in_threadpool(events.close)
+    return await run_in_threadpool(lambda: JSONResponse(_completion(collected, call, reply), headers=headers))
 
 
-def _completion(events: Iterator[StreamStart | TextDelta | Chunk | ChatEnd | StreamEnd], call: ChatCall, reply: _Reply) -> dict:
+def _completion(events: Iterable[StreamStart | TextDelta | Chunk | ChatEnd | StreamEnd], call: ChatCall, reply: _Reply) -> dict:
     """The whole reply as one `chat.completion`."""
     audio, end = [], None
     for event in events:
@@ -278,11 +288,13 @@ def _completion(events: Iterator[StreamStart | TextDelta | Chunk | ChatEnd | Str
         message["audio"] = {"id": f"audio-{uuid.uuid4().hex[:16]}", "data": _base64(encode(speech, call.audio_format)),
                             "expires_at": reply.created + AUDIO_EXPIRES_S, "transcript": end.text}
         choice["audio_metadata"] = _metadata(speech, call.audio_format)
-    return {"id": reply.id, "object": "chat.completion", "created": reply.created, "model": reply.model, "choices": [choice]}
+    return {"id": reply.id, "object": "chat.completion", "created": reply.created, "model": reply.model, "choices": [choice],
+            "dropped_turns": end.dropped_turns}
 
 
-def _sse(events: Iterator[StreamStart | TextDelta | Chunk | ChatEnd | StreamEnd], call: ChatCall, reply: _Reply) -> Iterator[bytes]:
-    """The reply as Server-Sent Events: text and audio as they are made, the finish reason, [DONE]."""
+def _sse(events: Iterator[StreamStart | TextDelta | Chunk | ChatEnd | StreamEnd | Waiting], call: ChatCall, reply: _Reply) -> Iterator[bytes | Waiting]:
+    """The reply as Server-Sent Events: text and audio as they are made, the finish reason, [DONE]
+    (and the reply's `Waiting`s, for `streaming.steps`)."""
     try:
         if call.text:
             yield reply.chunk("text", {"role": "assistant", "content": ""})
@@ -293,7 +305,9 @@ def _sse(events: Iterator[StreamStart | TextDelta | Chunk | ChatEnd | StreamEnd]
                 yield reply.chunk("audio", {"role": "assistant", "content": _base64(encode(event.audio, call.audio_format))},
                                   audio_metadata=_metadata(event.audio, call.audio_format))
             elif isinstance(event, ChatEnd):
-                yield reply.chunk(None, {}, finish_reason=reply.finish_reason(event))
+                yield reply.chunk(None, {}, finish_reason=reply.finish_reason(event), dropped_turns=event.dropped_turns)
+            elif isinstance(event, Waiting):
+                yield event
     except TTSInputError as exc:  # after the 200 has gone out: the error is an event, as vllm-omni sends it
         yield _event(input_error(exc).body())
     finally:

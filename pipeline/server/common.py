@@ -8,7 +8,7 @@ import io
 import json
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
@@ -20,7 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.errors import EngineBusy, TTSInputError
-from pipeline.service import MAX_UPLOAD_BYTES, ModelService
+from pipeline.request import load_json
+from pipeline.server.streaming import steps
+from pipeline.service import MAX_UPLOAD_BYTES, ModelService, Waiting
 
 SAMPLE_RATE = 24000
 DISCONNECT_POLL_S = 0.1  # how often a whole (not streamed) response looks for its client having gone
@@ -74,22 +76,26 @@ class Access:
             self.in_flight[client] -= 1
 
 
-def input_error(exc: TTSInputError) -> ApiError:
-    """A request the engine cannot take as an API error: 429 when its queue is full, else 400."""
-    return ApiError(429 if isinstance(exc, EngineBusy) else 400, str(exc))
+def input_error(exc: TTSInputError, names: dict[str, str] | None = None) -> ApiError:
+    """A request the engine cannot take as an API error: 429 when its queue is full, else 400; its
+    `param` the field at fault, by its name in the body (`names` maps the request's names to those)."""
+    param = (names or {}).get(exc.field, exc.field)
+    return ApiError(429 if isinstance(exc, EngineBusy) else 400, str(exc), param)
 
 
 async def serve(request: Request, access: Access, parse: Callable[[dict], Call],
-                respond: Callable[[Call, str, Callable[[], None]], Response], stop: Callable[[str], bool]) -> Response:
+                respond: Callable[[Call, str, Callable[[], None]], Awaitable[Response]], stop: Callable[[str], bool]) -> Response:
     """One API call: access, the body checked by `parse` before any work, a place among the client's
-    requests in flight, then `respond(call, leave)`. Both run on a worker thread (decoding audio and
-    generating would block the server's event loop, the UI's included). ApiErrors become JSON errors.
+    requests in flight, then `respond(call, leave)`. `parse` runs on a worker thread (decoding audio
+    would block the server's event loop, the UI's included); `respond` drives its stream with
+    `streaming.steps`, which holds no thread while the request waits. ApiErrors become JSON errors.
     A streamed response gives its place back when its last byte is sent or its client goes away
     (through `leave`); any other response here. The request runs under a key of its own: a client
     that goes away before a whole (not streamed) response is ready has it stopped by `stop(key)`."""
     client = request.client.host if request.client else "?"
     try:
         access.check(request)
+        check_json_type(request)
         access.enter(client)  # before parsing: a refused request has written nothing (a reference file)
     except ApiError as exc:
         return exc.response()
@@ -107,9 +113,9 @@ async def serve(request: Request, access: Access, parse: Callable[[dict], Call],
             access.leave(client)
 
 
-async def _unless_gone(request: Request, respond: Callable[[], Response], stop: Callable[[], bool]) -> Response:
-    """`respond()` on a worker thread, stopped if the client disconnects meanwhile (a whole reply
-    would otherwise hold its engine row until its last frame for nobody)."""
+async def _unless_gone(request: Request, respond: Callable[[], Awaitable[Response]], stop: Callable[[], bool]) -> Response:
+    """`await respond()`, stopped if the client disconnects meanwhile (a whole reply would otherwise
+    hold its engine row until its last frame for nobody)."""
     async with anyio.create_task_group() as tasks:
         async def watch() -> None:
             while not await request.is_disconnected():
@@ -118,7 +124,7 @@ async def _unless_gone(request: Request, respond: Callable[[], Response], stop: 
 
         tasks.start_soon(watch)
         try:
-            response = await run_in_threadpool(respond)
+            response = await respond()
         except Exception as exc:  # raised from here, not inside the task group (which would wrap it in an ExceptionGroup)
             failure = exc
         else:
@@ -129,29 +135,71 @@ async def _unless_gone(request: Request, respond: Callable[[], Response], stop: 
     return response
 
 
+def check_json_type(request: Request) -> None:
+    """A body must be declared JSON: a page on another site can POST text/plain (or a form) to a localhost
+    server without the browser asking first, but not application/json."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, f"The request body must be sent as 'Content-Type: application/json', not '{media_type or 'none'}'.")
+
+
 async def json_body(request: Request) -> dict:
-    body = await request.body()
-    if len(body) > MAX_UPLOAD_BYTES:
-        raise ApiError(413, f"The request is {len(body) / 2**20:.0f} MB; the limit is {MAX_UPLOAD_BYTES // 2**20} MB.")
+    """The body as a JSON object, refused (413) as soon as it is known to pass MAX_UPLOAD_BYTES: from
+    its Content-Length, or while it arrives; never held whole beyond the limit."""
+    limit_mb = MAX_UPLOAD_BYTES // 2**20
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
+        raise ApiError(413, f"The request is {int(declared) / 2**20:.0f} MB; the limit is {limit_mb} MB.")
+    pieces, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > MAX_UPLOAD_BYTES:
+            raise ApiError(413, f"The request is over the limit of {limit_mb} MB.")
+        pieces.append(piece)
     try:
-        data = json.loads(body)
+        data = await run_in_threadpool(load_json, b"".join(pieces))  # up to 50 MB: not on the event loop
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ApiError(400, "The request body is not JSON.") from None
+    except TTSInputError as exc:
+        raise ApiError(400, str(exc), exc.field) from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body is a JSON object.")
     return data
 
 
-async def until_gone(chunks: Iterator[bytes], service: ModelService, key: str, done: Callable[[], None]) -> AsyncIterator[bytes]:
-    """The chunks, each made on a worker thread; when the client disconnects (the response is
-    cancelled), the stream under `key` is stopped, which frees its engine row within a frame."""
-    try:
-        while (chunk := await run_in_threadpool(next, chunks, None)) is not None:
+def until_gone(chunks: Generator[bytes | Waiting, None, None], service: ModelService, key: str, done: Callable[[], None],
+               **options) -> StreamingResponse:
+    """A streamed response (`options`: StreamingResponse's) of the chunks as `streaming.steps` makes
+    them (no thread held between two). However it ends (sent whole, or its client gone, even before
+    its body began), the stream under `key` is stopped, which frees its engine row within a frame,
+    then `done()`."""
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in steps(chunks):
             yield chunk
-    finally:
-        with anyio.CancelScope(shield=True):
-            await run_in_threadpool(service.stop, key)
+
+    async def over() -> None:
+        await run_in_threadpool(service.stop, key)
+        await run_in_threadpool(chunks.close)
         done()
+
+    return _Streamed(body(), over, **options)
+
+
+class _Streamed(StreamingResponse):
+    """A streamed response that awaits `over()` once it is over, however it ends (the body's own
+    `finally` never runs when its client goes away before it began)."""
+
+    def __init__(self, content: AsyncIterator[bytes], over: Callable[[], Awaitable[None]], **options) -> None:
+        super().__init__(content, **options)
+        self.over = over
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.over()
 
 
 def pcm16(audio: np.ndarray) -> bytes:

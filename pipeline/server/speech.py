@@ -9,13 +9,17 @@ Access (`common.Access`): with a key, every call needs it as a bearer token; a s
 localhost without a key keeps the API off; a client has at most a few requests in flight.
 
 Streaming (`"stream": true`, or vllm-omni's `"stream_format": "audio"`) sends the audio as it is made:
-raw 16-bit PCM (`pcm`) or a WAV whose header leaves the length open (`wav`); without streaming every
-format is one file.
+raw 16-bit PCM (`pcm`) or a WAV whose header leaves the length open (`wav`); `"stream_format": "sse"`
+sends OpenAI's Server-Sent Events (`speech.audio.delta` with base64 PCM, then `speech.audio.warning`s
+and `speech.audio.done`); without streaming every format is one file. Warnings (text left unspoken,
+an ignored instruction) come in the `X-Warnings` header (a JSON list): at the end of a whole file,
+at the start of a raw stream (warnings found later reach only SSE clients).
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import shutil
 import struct
 import tempfile
@@ -26,14 +30,15 @@ from pathlib import Path
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.request import SpeechRequest
 from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, input_error, pcm16, serve, until_gone
-from pipeline.service import API_TASK_TYPES, OMNI, TINY, ModelService, StreamEnd, StreamStart
+from pipeline.server.streaming import steps
+from pipeline.service import API_TASK_TYPES, OMNI, TINY, ModelService, StreamEnd, StreamStart, Waiting
 
 MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
 STREAMED_FORMATS = ("pcm", "wav")
@@ -41,6 +46,7 @@ TASK_TYPES = {name: kind for name, kind in API_TASK_TYPES.items() if kind != OMN
 FIELDS = {"model", "input", "voice", "response_format", "speed", "stream", "stream_format", "task_type", "language", "instructions", "ref_audio",
           "ref_text", "x_vector_only_mode", "voice_prompt", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "repetition_penalty",
           "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "schedule"}
+API_NAMES = {"text": "input", "speaker": "voice", "instruct": "instructions", "max_frames": "max_new_tokens"}  # request field -> body field
 # Taken into the engine request as they are (its checks name a bad value); `schedule` is ours: frames per chunk.
 PASSED_FIELDS = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p",
                  "schedule")
@@ -52,6 +58,7 @@ class SpeechCall:
     response_format: str
     stream: bool
     reference: Path | None = None  # a decoded reference recording, removed after the call
+    events: bool = False  # streamed as Server-Sent Events (audio deltas, warnings, done) rather than raw audio
 
 
 def speech_routes(service: ModelService, access: Access | None = None) -> list[Route]:
@@ -107,16 +114,18 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
         raise ApiError(400, "'input' is required: the text to speak.", "input")
     if data.get("speed", 1.0) != 1.0:
         raise ApiError(400, "'speed' is not supported: Qwen3-TTS speaks at its own pace (leave it out or 1.0).", "speed")
-    response_format = data.get("response_format", "wav")
-    if response_format not in MEDIA_TYPES:
+    stream_format = data.get("stream_format")
+    response_format = data.get("response_format", "pcm" if stream_format == "sse" else "wav")
+    if not isinstance(response_format, str) or response_format not in MEDIA_TYPES:
         raise ApiError(400, f"'response_format' is one of {', '.join(MEDIA_TYPES)}, not '{response_format}'.", "response_format")
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' is true or false.", "stream")
-    stream_format = data.get("stream_format")
-    if stream_format not in (None, "audio"):
-        raise ApiError(400, f"'stream_format' is 'audio' here (raw audio bytes; no SSE events), not '{stream_format}'.", "stream_format")
-    stream = stream or stream_format == "audio"  # as in vllm-omni: "audio" streams whatever 'stream' says
+    if stream_format not in (None, "audio", "sse"):
+        raise ApiError(400, f"'stream_format' is 'audio' (raw audio bytes) or 'sse' (Server-Sent Events), not '{stream_format}'.", "stream_format")
+    if stream_format == "sse" and response_format != "pcm":
+        raise ApiError(400, f"SSE events carry pcm audio, not {response_format}.", "response_format")
+    stream = stream or stream_format is not None  # as in vllm-omni: a stream_format streams whatever 'stream' says
     if stream and response_format not in STREAMED_FORMATS:
         raise ApiError(400, f"A streamed response is pcm or wav, not {response_format}.", "response_format")
     model_type, checkpoint = _model(data, service)
@@ -130,21 +139,20 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
         fields["speaker"] = data.get("voice")
         fields["instruct"] = data.get("instructions")
     elif model_type == "voice_design":
-        fields["instruct"] = data.get("instructions")
-        if not fields["instruct"]:
-            raise ApiError(400, "VoiceDesign describes the voice in 'instructions'.", "instructions")
+        fields["instruct"] = data.get("instructions")  # required: the request's check says so, as on every surface
     elif data.get("voice_prompt") is not None:
         fields["voice_prompt"] = _saved_voice(data)
     else:
         reference = _reference_file(data.get("ref_audio"))
-        fields.update(ref_audio=str(reference), ref_text=data.get("ref_text"), x_vector_only=bool(data.get("x_vector_only_mode", False)))
+        fields.update(ref_audio=str(reference), ref_text=data.get("ref_text"), x_vector_only=data.get("x_vector_only_mode", False))
     try:
         request = SpeechRequest(text, language=data.get("language") or "auto", model_type=model_type, checkpoint=checkpoint,
                                 **{k: v for k, v in fields.items() if v is not None}).validate()
     except (TTSInputError, TypeError) as exc:
         _remove(reference)
-        raise ApiError(400, str(exc)) from None
-    return SpeechCall(request, response_format, stream, reference)
+        field = getattr(exc, "field", None)  # a TypeError names none
+        raise ApiError(400, str(exc), API_NAMES.get(field, field)) from None
+    return SpeechCall(request, response_format, stream, reference, events=stream_format == "sse")
 
 
 def _served(model: str, task: str | None, service: ModelService) -> tuple[str, str]:
@@ -163,7 +171,7 @@ def _served(model: str, task: str | None, service: ModelService) -> tuple[str, s
 
 def _model(data: dict, service: ModelService) -> tuple[str, str]:
     task = data.get("task_type")
-    if task is not None and task not in TASK_TYPES:
+    if task is not None and (not isinstance(task, str) or task not in TASK_TYPES):
         raise ApiError(400, f"'task_type' is one of {', '.join(TASK_TYPES)}, not '{task}'.", "task_type")
     model = data.get("model")
     kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in TASK_TYPES.values()]
@@ -211,36 +219,55 @@ def _base64(encoded: str, field: str) -> bytes:
     return content
 
 
-def _respond(call: SpeechCall, service: ModelService, key: str, done: Callable[[], None]) -> Response:
-    stream = service.stream(call.request, key)
+async def _respond(call: SpeechCall, service: ModelService, key: str, done: Callable[[], None]) -> Response:
+    stream = service.stream(call.request, key, wait=False)
     try:
-        start = next(stream)  # validation against the checkpoint (speaker, language, reference audio)
+        start = await run_in_threadpool(next, stream)  # validation against the checkpoint (speaker, language, reference audio)
     except Exception as exc:
         stream.close()
         _remove(call.reference)
         if isinstance(exc, TTSInputError):
-            raise input_error(exc) from None
+            raise input_error(exc, API_NAMES) from None
         raise
     headers = {"X-Sample-Rate": str(SAMPLE_RATE), "X-Random-Weights": str(start.random_weights).lower()}
-    if call.stream:
-        return StreamingResponse(until_gone(_streamed(stream, call), service, key, done), media_type=MEDIA_TYPES[call.response_format],
-                                 headers=headers)
+    if call.stream:  # the warnings known now; those of the end come as events in an SSE stream
+        return until_gone(_streamed(stream, call), service, key, done, headers=headers | warnings_header(start.warnings),
+                          media_type="text/event-stream" if call.events else MEDIA_TYPES[call.response_format])
     try:
-        audio = np.concatenate([item.audio for item in stream if isinstance(item, Chunk)] or [np.zeros(0, np.float32)])
+        items = [item async for item in steps(stream) if isinstance(item, (Chunk, StreamEnd))]
     finally:
-        stream.close()
+        await run_in_threadpool(stream.close)
         _remove(call.reference)
-    return Response(encode(audio, call.response_format), media_type=MEDIA_TYPES[call.response_format], headers=headers)
+    audio = np.concatenate([item.audio for item in items if isinstance(item, Chunk)] or [np.zeros(0, np.float32)])
+    warnings = next((item.warnings for item in items if isinstance(item, StreamEnd)), start.warnings)
+    return Response(await run_in_threadpool(encode, audio, call.response_format), media_type=MEDIA_TYPES[call.response_format],
+                    headers=headers | warnings_header(warnings))
 
 
-def _streamed(stream: Iterator[StreamStart | Chunk | StreamEnd], call: SpeechCall) -> Iterator[bytes]:
-    """Audio bytes as each chunk is made; the engine's row is freed if the client goes away."""
+def warnings_header(warnings: list[str]) -> dict[str, str]:
+    """`X-Warnings`: what the user should know (e.g. text left unspoken), as a JSON list of sentences (ASCII-escaped, as headers must be)."""
+    return {"X-Warnings": json.dumps(warnings)} if warnings else {}
+
+
+def sse(event: dict) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+def _streamed(stream: Iterator[StreamStart | Chunk | StreamEnd | Waiting], call: SpeechCall) -> Iterator[bytes | Waiting]:
+    """Audio bytes as each chunk is made (and the stream's `Waiting`s, for `streaming.steps`); the
+    engine's row is freed if the client goes away."""
     try:
         if call.response_format == "wav":
             yield wav_header(0xFFFFFFFF)
         for item in stream:
             if isinstance(item, Chunk):
-                yield pcm16(item.audio)
+                yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(pcm16(item.audio)).decode()}) if call.events else pcm16(item.audio)
+            elif isinstance(item, Waiting):
+                yield item
+            elif isinstance(item, StreamEnd) and call.events:
+                for warning in item.warnings:
+                    yield sse({"type": "speech.audio.warning", "message": warning})
+                yield sse({"type": "speech.audio.done"})
     finally:
         stream.close()
         _remove(call.reference)
