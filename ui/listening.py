@@ -88,7 +88,12 @@ def _listen_view(sessions: Sessions) -> ListenParts:
 
     trial_outputs = [current, progress, text, reference, *clips, *scores, x_clip, choice, confidence, comment, hint, submit]
 
-    def show(view: TrialView | None, note: str = "") -> list:
+    def show(view: TrialView | None, note: str = "", before: TrialView | None = None) -> list:
+        """The page's outputs for `view`; after `before` on the same layout, new values alone (gradio
+        rebuilds a component and its config, JSON schema included, for every gr.update, gr.skip() too:
+        most of a vote's server time when every player and slider is updated)."""
+        if view is not None and before is not None and _same_layout(before, view):
+            return next_values(view, note)
         if view is None:
             hidden = [gr.update(visible=False, value=None)] * (1 + MAX_CONDITIONS) + [gr.update(visible=False)] * MAX_CONDITIONS
             return [None, "**All trials done. Thank you!**" + (f" {note}" if note else ""), "", *hidden, gr.update(visible=False, value=None),
@@ -104,6 +109,13 @@ def _listen_view(sessions: Sessions) -> ListenParts:
                 gr.update(visible=mushra, value=view.reference), *clip_updates, *score_updates,
                 gr.update(visible=view.x is not None, value=view.x), gr.update(visible=not mushra, value=None, choices=choices, label=question),
                 gr.update(visible=True, value=None), gr.update(visible=True, value=""), _hint(view, {}), gr.update(visible=True, interactive=False)]
+
+    def next_values(view: TrialView, note: str) -> list:
+        # Plain values, hidden players and sliders included (None, the start score): a gr.skip() is an update too.
+        n = len(view.clips)
+        return [view, _progress(view, note), f"> {markdown_text(view.text)}", view.reference,
+                *[view.clips[i] if i < n else None for i in range(MAX_CONDITIONS)], *[MUSHRA_START] * MAX_CONDITIONS,
+                view.x, None, None, "", _hint(view, {}), gr.update(interactive=False)]
 
     def begin(name: str, who: str):
         try:
@@ -132,7 +144,7 @@ def _listen_view(sessions: Sessions) -> ListenParts:
                 raise input_error("Choose an answer first.")
             ballot = Vote(who.strip(), view.index, CHOICES.get(answer, answer), comment=note or "", confidence=int(sure) if sure else None)
         try:
-            return show(sessions.vote(view.token, name.strip(), ballot), "vote saved")
+            return show(sessions.vote(view.token, name.strip(), ballot), "vote saved", before=view)
         except VoteError as exc:
             if "already answered" not in str(exc):
                 raise input_error(exc) from None
@@ -155,6 +167,11 @@ def _listen_view(sessions: Sessions) -> ListenParts:
 def _progress(view: TrialView, note: str) -> str:
     bar = f'<progress max="{view.total}" value="{view.answered}" style="width: 100%"></progress>'
     return f"Trial **{view.answered + 1}** of {view.total}" + (f" · {note}" if note else "") + f"\n\n{bar}"
+
+
+def _same_layout(a: TrialView, b: TrialView) -> bool:
+    """Whether the page shows `b` with the players, sliders and labels it shows `a` with."""
+    return (a.session, a.test, len(a.clips), a.x is None, a.reference is None) == (b.session, b.test, len(b.clips), b.x is None, b.reference is None)
 
 
 def _label(view: TrialView, i: int) -> str:
