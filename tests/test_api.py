@@ -2,8 +2,10 @@
 localhost with the tiny checkpoints: every task type, streamed and not, every format; the audio
 equals what the engine gives the same request; bad requests get a JSON error with a 4xx status."""
 import base64
+import contextlib
 import io
 import struct
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -203,6 +205,10 @@ def test_a_body_that_is_not_json(api):
     assert response.status_code == 400 and response.json()["error"]["message"] == "The request body is not JSON."
 
 
+# A text of many segments, each with its own frame limit: a stream that outlasts whatever a test does while it runs.
+LONG_TEXT = " ".join(["A long story that the listener will not wait for."] * 98)  # 4,899 characters, 17 segments
+
+
 def test_a_client_that_goes_away_frees_its_row(api):
     import time
 
@@ -230,9 +236,6 @@ def access_client(service, **access):
 
 
 BODY = {"input": "Hello there.", "voice": "ryan", "response_format": "pcm", "seed": 1, "max_new_tokens": 4}
-# A text of many segments, each with its own frame limit: a stream that outlasts whatever a test does while it runs.
-LONG_TEXT = " ".join(["A long story that the listener will not wait for."] * 30)
-LONG = {**BODY, "input": LONG_TEXT, "stream": True, "max_new_tokens": None}
 
 
 def test_the_api_key(api):
@@ -252,19 +255,20 @@ def test_a_public_server_without_a_key_keeps_the_api_off(api):
 
 
 def test_requests_in_flight_per_client_are_limited(api):
+    """A client's requests in flight, those waiting for a row included, are at most `per_client`; one
+    that ends (its client went away) frees its place."""
     _, service = api
-    client = access_client(service, per_client=1)
-    with client.stream("POST", "/v1/audio/speech", json=LONG) as first:
-        assert next(first.iter_bytes())
-        second = client.post("/v1/audio/speech", json=BODY)
-        assert second.status_code == 429 and "1 requests of this client are already running" in second.json()["error"]["message"]
-    import time
+    with every_row_held(service), limited_server(service, per_client=1) as url:
+        with httpx.stream("POST", f"{url}/v1/audio/speech", json=WAITING, timeout=60) as first:
+            body = started(first)  # noqa: F841 - kept open: it waits for a row
+            second = httpx.post(f"{url}/v1/audio/speech", json=BODY, timeout=60)
+            assert second.status_code == 429 and "1 requests of this client are already running" in second.json()["error"]["message"]
 
-    deadline = time.monotonic() + HANG_GUARD_S  # the first stream ended (its client went away): the client may call again
-    while (status := client.post("/v1/audio/speech", json=BODY).status_code) == 429:
-        assert time.monotonic() < deadline, "the client's ended stream still counts against it"
-        time.sleep(0.1)
-    assert status == 200
+        def accepted() -> bool:
+            with httpx.stream("POST", f"{url}/v1/audio/speech", json=WAITING, timeout=60) as again:
+                return again.status_code == 200
+
+        wait_until(accepted, "the client's ended stream still counts against it")
 
 
 def test_a_full_engine_queue_is_a_429_and_a_refused_request_leaves_no_file(api, tiny_checkpoints, reference_wav, tmp_path, monkeypatch):
@@ -283,10 +287,46 @@ def test_a_full_engine_queue_is_a_429_and_a_refused_request_leaves_no_file(api, 
         assert refused.status_code == 429 and "requests ahead; try again shortly" in refused.json()["error"]["message"]
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the server writes reference files
     clone = {"input": "Hi.", "task_type": "Base", "ref_audio": base64.b64encode(reference_wav.read_bytes()).decode(), "ref_text": "Hello."}
-    with client.stream("POST", "/v1/audio/speech", json=LONG) as first:
-        assert next(first.iter_bytes())
-        assert client.post("/v1/audio/speech", json=clone).status_code == 429
-        assert list(tmp_path.iterdir()) == []
+    with every_row_held(service), limited_server(service, per_client=1) as url:
+        with httpx.stream("POST", f"{url}/v1/audio/speech", json=WAITING, timeout=60) as first:
+            body = started(first)  # noqa: F841 - kept open: it waits for a row
+            assert httpx.post(f"{url}/v1/audio/speech", json=clone, timeout=60).status_code == 429
+            assert list(tmp_path.iterdir()) == []
+
+
+WAITING = {**BODY, "response_format": "wav", "stream": True}  # a stream whose header is sent before its first chunk
+
+
+def started(response: httpx.Response) -> Iterator[bytes]:
+    """The body of a WAITING stream once its WAV header came, kept by the caller: an iterator over the
+    body, once dropped, closes the connection, which ends the request."""
+    body = response.iter_bytes()
+    assert response.status_code == 200 and next(body)[:4] == b"RIFF"
+    return body
+
+
+@contextlib.contextmanager
+def limited_server(service, **access):
+    """The speech API of `service` on a real server (a client's place is held until its stream really ends)."""
+    from starlette.applications import Starlette
+
+    from conftest import serving
+    from pipeline.server import Access, speech_routes
+
+    with serving(Starlette(routes=speech_routes(service, Access(**access)))) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def every_row_held(service):
+    """Every row of the tiny CustomVoice engine taken (hold_the_row), so that a request waits in its queue."""
+    tts = service.model("custom_voice", TINY)
+    holders = [hold_the_row(tts) for _ in range(tts.engine.rows)]
+    try:
+        yield
+    finally:
+        for holder in holders:
+            holder.close()
 
 
 # ---- a request waiting for a row holds no worker thread ----
