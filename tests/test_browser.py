@@ -366,7 +366,8 @@ def test_one_listener_rates_a_mushra_item(page, live_app):
     sessions.save("name: browser-mushra\ntest: mushra\nreference: zorblax\ntrials_per_listener: 1\n" + LISTENING_SYSTEMS)
     sessions.render("browser-mushra")
     listen(page, "browser-mushra", "ben")
-    assert page.locator("#listen-reference").is_visible() and page.locator("#listen-clip-3").is_hidden()
+    page.locator("#listen-reference").wait_for(state="visible")  # the trial's players appear as the page renders them
+    assert page.locator("#listen-clip-3").is_hidden()
     for i in range(3):  # zorblax (the hidden reference), quintor, the anchor
         play_to_the_end(page, f"listen-clip-{i}", f"Condition {i + 1}")
     page.wait_for_function("() => /vote is open/.test(document.querySelector('#listen-hint').innerText)")
