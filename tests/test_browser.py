@@ -81,10 +81,22 @@ def open_tab(page, tab: str, max_seconds: int = 2) -> None:
 
 
 def set_max_seconds(page, tab: str, seconds: int) -> None:
+    """Move the Max length slider until its number box shows the value: an answer of the tab's still
+    on its way (an example, the model's status) can put the page's earlier state back, so a move that
+    did not take is made again."""
+    from playwright.sync_api import TimeoutError as NotYet
+
     slider = page.locator(f"#{tab}-max-seconds input[type=range]")
     slider.wait_for(state="visible")
-    slider.fill(str(seconds))
-    page.wait_for_function(f"(v) => document.querySelector('#{tab}-max-seconds input[type=number]').value === v", arg=str(seconds))
+    taken = f"(v) => document.querySelector('#{tab}-max-seconds input[type=number]').value === v"
+    for _ in range(HANG_GUARD_MS // 5_000):
+        slider.fill(str(seconds))
+        try:
+            page.wait_for_function(taken, arg=str(seconds), timeout=5_000)
+            return
+        except NotYet:
+            pass
+    raise AssertionError(f"the {tab} tab's Max length never took {seconds} s")
 
 
 def player_stats(page, tab: str) -> dict | None:
