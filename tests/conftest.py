@@ -22,6 +22,23 @@ if importlib.util.find_spec("torchaudio") is None:
     sys.path.append(str(Path(__file__).parent / "reference_shims"))
 
 
+@pytest.fixture(autouse=True)
+def rope_registry_left_as_found():
+    """The official qwen_tts, imported in-process by the speaker-encoder and audio parity tests, registers
+    a "default" RoPE initializer reading `config.rope_theta`, which transformers' own Qwen3-Omni then
+    calls (and fails on: its config keeps RoPE in rope_parameters); every test leaves the registry as it
+    found it, and lets qwen_tts register it again when it next needs it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    before = dict(ROPE_INIT_FUNCTIONS)
+    yield
+    ROPE_INIT_FUNCTIONS.clear()
+    ROPE_INIT_FUNCTIONS.update(before)
+    compat = sys.modules.get("qwen_tts._transformers_compat")
+    if compat is not None:
+        compat._PATCHED = False
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """Tiny random checkpoints in the official layout, one per model type, written once per session."""
