@@ -26,8 +26,10 @@ import time
 from collections import deque
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from pipeline.server.common import StreamedUntilOver
 
 ROUTE = "/pcm/{run_id}"
 HEARTBEAT_S = 5.0
@@ -189,7 +191,7 @@ class PcmChannels:
             async for frame in channel.frames():
                 yield struct.pack("<I", len(frame)) + frame
 
-        def closed() -> None:  # the run ended, or the page aborted the fetch (Stop, a new run, tab closed)
+        async def closed() -> None:  # the run ended, or the page aborted the fetch (Stop, a new run, tab closed)
             self._release(run_id, channel)
             self._leave(client)
 
@@ -199,25 +201,10 @@ class PcmChannels:
             "Content-Encoding": "identity",  # keeps Gradio's Brotli middleware out: PCM does not compress
             "X-Sample-Rate": "24000",
         }
-        return _Stream(body(), closed, media_type="application/octet-stream", headers=headers)
+        return StreamedUntilOver(body(), closed, media_type="application/octet-stream", headers=headers)
 
     def route(self) -> Route:
         return Route(ROUTE, self._respond, methods=["GET"])
-
-
-class _Stream(StreamingResponse):
-    """A streamed response that calls `closed()` once it is over, however it ends: sent whole, or its
-    client gone (even before its body began, when the body's own `finally` would never run)."""
-
-    def __init__(self, content, closed, **options) -> None:
-        super().__init__(content, **options)
-        self.closed = closed
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.closed()
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -183,12 +183,12 @@ def until_gone(chunks: Generator[bytes | Waiting, None, None], service: ModelSer
         await run_in_threadpool(chunks.close)
         done()
 
-    return _Streamed(body(), over, **options)
+    return StreamedUntilOver(body(), over, **options)
 
 
-class _Streamed(StreamingResponse):
-    """A streamed response that awaits `over()` once it is over, however it ends (the body's own
-    `finally` never runs when its client goes away before it began)."""
+class StreamedUntilOver(StreamingResponse):
+    """A streamed response that awaits `over()` once it is over, however it ends: sent whole, or its
+    client gone (even before its body began, when the body's own `finally` would never run)."""
 
     def __init__(self, content: AsyncIterator[bytes], over: Callable[[], Awaitable[None]], **options) -> None:
         super().__init__(content, **options)
