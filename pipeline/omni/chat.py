@@ -65,22 +65,30 @@ KNOWN_PARAMETERS = {HUB_ID: 35_260_000_000}  # checked before a download of ~70 
 
 
 # The keys of Qwen3-Omni's config.json that our loaders read (PromptIds, the talker, code2wav), by their JSON types.
+# Every config object transformers builds reads these two keys of its base class as objects.
+LABELS = {"id2label": dict[str, str] | None, "label2id": dict[str, int] | None}
 OMNI_CONFIG = {
+    **LABELS,
     **{name: int for name in ("im_start_token_id", "user_token_id", "assistant_token_id", "tts_pad_token_id", "tts_bos_token_id", "tts_eos_token_id")},
     "architectures": list[str] | None,  # checked by transformers when it reads the file
+    "transformers_version": str | None,
     "talker_config": {
-        "text_config": dataclass_schema(TalkerTextConfig, {TalkerTextConfig: {"rope_parameters": ROPE, "num_local_experts": int}}),
-        "code_predictor_config": dataclass_schema(CodePredictorConfig, {CodePredictorConfig: {"rope_parameters": ROPE}}),
+        **LABELS,
+        "text_config": LABELS | dataclass_schema(TalkerTextConfig, {TalkerTextConfig: {"rope_parameters": ROPE, "num_local_experts": int}}),
+        "code_predictor_config": LABELS | dataclass_schema(CodePredictorConfig, {CodePredictorConfig: {"rope_parameters": ROPE}}),
         **{name: int for name in ("thinker_hidden_size", "codec_eos_token_id", "accept_hidden_layer", "codec_nothink_id", "codec_think_bos_id",
                                   "codec_think_eos_id", "codec_pad_id", "codec_bos_id")},
         "speaker_id": dict[str, int],
     },
-    "code2wav_config": dataclass_schema(Code2WavConfig, {Code2WavConfig: {"rope_parameters": ROPE}}),
+    "code2wav_config": LABELS | dataclass_schema(Code2WavConfig, {Code2WavConfig: {"rope_parameters": ROPE}}),
     "thinker_config": {
+        **LABELS,
         **{name: int for name in ("audio_token_id", "image_token_id", "video_token_id")},
+        "audio_config": LABELS,
+        "vision_config": {**LABELS, "rope_parameters": {"rope_theta": float, "rope_type": str}},
         # Read by transformers' thinker but not declared (so not checked) by its config classes.
-        "text_config": {"head_dim": int | None, "rope_parameters": {"rope_theta": float, "rope_type": str, "mrope_section": list[int],
-                                                                          "interleaved": bool}},
+        "text_config": {**LABELS, "head_dim": int | None, "rope_parameters": {"rope_theta": float, "rope_type": str, "mrope_section": list[int],
+                                                                                "interleaved": bool}},
     },
 }
 
@@ -473,7 +481,7 @@ def _check_transformers_types(path: Path, config: dict[str, Any]) -> None:
     except StrictDataclassError as exc:  # its message goes on to print the whole value; the field says enough
         where = str(exc).splitlines()[0].rstrip(":").replace("Validation error for", "the")
         raise CheckpointError(f"{path}: transformers' Qwen3-Omni config refuses {where}, a value of the wrong type.") from None
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
         raise CheckpointError(f"{path} is not a Qwen3-Omni config transformers can read: {' '.join(str(exc).split())}") from None
 
 

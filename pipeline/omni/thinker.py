@@ -206,7 +206,7 @@ class Thinker:
         try:
             config = Qwen3OmniMoeConfig.from_pretrained(str(directory)).thinker_config
             model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(directory), config=config, dtype=dtype)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"The thinker in {directory} cannot be loaded: {' '.join(str(exc).split())}") from None
         finally:
             hf_logging.set_verbosity(verbosity)
