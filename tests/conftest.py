@@ -153,3 +153,36 @@ def serving(app):
 def tables(outputs: list) -> list[list]:
     """The latency tables among a gradio_client job's outputs."""
     return [o[1]["data"] for o in outputs if isinstance(o[1], dict) and o[1].get("data")]
+
+
+@pytest.fixture(scope="module")
+def app_url(live_app):
+    return live_app[0]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium, one per test module (see tests/browser.py)."""
+    from browser import CHROMIUM, CHROMIUM_ARGS, browser_missing
+
+    assert browser_missing() is None, browser_missing()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture()
+def page(browser, app_url):
+    """The app's page on a desktop-sized window, opened and ready."""
+    from browser import HANG_GUARD_MS
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1500})
+    page.set_default_timeout(HANG_GUARD_MS)
+    page.set_default_navigation_timeout(HANG_GUARD_MS)
+    page.goto(app_url)
+    page.wait_for_selector("#clone-generate")
+    yield page
+    page.close()
