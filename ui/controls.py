@@ -2,6 +2,7 @@
 accordion, Generate / Stop, and the one generation handler they all feed."""
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from pipeline.remote import RemoteService
+from pipeline.request import MAX_SEED
 from pipeline.service import DEFAULT_SCHEDULE, TINY, TYPE_NAMES, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
 from ui.latency import LatencyPanel
 from ui.errors import input_error, warn
@@ -82,6 +84,12 @@ def sampling_fields(
         "seed": None if seed is None else float(seed),
         "schedule": schedule or "",
     }
+
+
+def take_seed(value: float | None) -> int:
+    """The seed a run uses: the one typed, or a new random one when the field is empty, so that every
+    default run is a new take and the seed shown after it repeats that take."""
+    return secrets.randbelow(MAX_SEED + 1) if value is None else int(value)
 
 
 def keep_or_first(value: str | None, choices: list[str]) -> str | None:
