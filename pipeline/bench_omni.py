@@ -28,7 +28,7 @@ import torch
 
 from pipeline.bench import report_header, write_report
 from pipeline.engine import Chunk
-from pipeline.omni.chat import THINKER_MAX_SEQ
+from pipeline.omni.chat import DEFAULT_ROWS, THINKER_MAX_SEQ
 from pipeline.omni import ChatEnd, ChatRequest, Code2Wav, Code2WavConfig, OmniChat, OmniTalker, OmniTalkerConfig, PromptIds, TextDelta, Turn
 from pipeline.omni.thinker import Thinker
 from pipeline.tiny import OMNI_FEATURE_EXTRACTOR, randomize_, randomize_code2wav_, write_tiny_omni_tokenizer
@@ -75,8 +75,9 @@ SPEECH_S = 0.08
 
 
 @torch.no_grad()
-def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, compiled: bool, seed: int = 0) -> OmniChat:
-    """The real-size Qwen3-Omni with seeded random weights, in GPU memory."""
+def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, compiled: bool, seed: int = 0) -> tuple[OmniChat, dict[str, float]]:
+    """The real-size Qwen3-Omni with seeded random weights, in GPU memory; and the GiB allocated for the
+    weights and, after, for the caches and graphs the chat builds (the GPU's memory plan)."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
@@ -106,10 +107,18 @@ def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, comp
     # A random talker would end its speech at a random frame: keep EOS out of reach.
     talker.codec_head.weight[ids["talker_config"]["codec_eos_token_id"]].zero_()
     thinker = Thinker(thinker_model.eval(), ids["talker_config"]["accept_hidden_layer"], slots=rows, max_len=THINKER_MAX_SEQ)
+    weights = gib(torch.cuda.memory_allocated())  # the thinker's slot caches are small beside them; the vision encoder is dropped
     tokenizer = AutoTokenizer.from_pretrained(str(workdir))
     features = WhisperFeatureExtractor(**{k: v for k, v in OMNI_FEATURE_EXTRACTOR.items() if k != "feature_extractor_type"})
-    return OmniChat(thinker, tokenizer, features, talker.eval(), code2wav.eval(), PromptIds.from_config(ids), {}, "random Qwen3-Omni-30B-A3B",
+    chat = OmniChat(thinker, tokenizer, features, talker.eval(), code2wav.eval(), PromptIds.from_config(ids), {}, "random Qwen3-Omni-30B-A3B",
                     rows=rows, vocoder_lanes=3, compiled=compiled)
+    ready = gib(torch.cuda.memory_allocated())
+    return chat, {"weights_and_thinker_caches_gib": weights, "engine_and_graphs_gib": ready - weights, "ready_gib": ready,
+                  "ready_reserved_gib": gib(torch.cuda.memory_reserved()), "card_gib": gib(torch.cuda.get_device_properties(0).total_memory)}
+
+
+def gib(size: int) -> float:
+    return round(size / 2**30, 2)
 
 
 def spoken_message(seconds: float, seed: int = 0) -> np.ndarray:
@@ -201,7 +210,11 @@ def markdown(report: dict) -> str:
     t = report["together"]
     lines += ["", f"{t['conversations']} conversations at once (short text): first audio {', '.join(f'{x:.0f}' for x in t['first_audio_ms'])} ms; "
               f"talker frame {t['talker_frame_ms']:.2f} ms; thinker token {t['thinker_ms_per_token']:.1f} ms; p95 chunk gap {t['gap_p95_ms']:.0f} ms; "
-              f"{t['stalls']} stalls (worst underrun {t['worst_underrun_ms']:.0f} ms).", "", ""]
+              f"{t['stalls']} stalls (worst underrun {t['worst_underrun_ms']:.0f} ms).", ""]
+    m = report["memory"]
+    lines += [f"GPU memory (GiB, card {m['card_gib']}): weights and thinker slot caches {m['weights_and_thinker_caches_gib']}, "
+              f"engine caches and graphs {m['engine_and_graphs_gib']}, ready {m['ready_gib']} allocated / {m['ready_reserved_gib']} reserved; "
+              f"peak {m['peak_allocated_gib']} allocated / {m['peak_reserved_gib']} reserved.", "", ""]
     return "\n".join(lines)
 
 
@@ -209,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     parser = argparse.ArgumentParser(prog="python -m pipeline.bench_omni")
-    parser.add_argument("--rows", type=int, default=4, help="talker rows of the engine (conversations speaking at once)")
+    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS["cuda"], help="talker rows and thinker slots (conversations at once; the app's default)")
     parser.add_argument("--tokens", type=int, default=40, help="reply tokens")
     parser.add_argument("--frames", type=int, default=60, help="speech frames per reply (60 = 4.8 s)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -224,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        chat = random_omni(Path(tmp), torch.bfloat16, args.rows, args.experts, compiled=not args.no_compile)
-        print(f"built in {time.perf_counter() - t0:.0f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+        chat, memory = random_omni(Path(tmp), torch.bfloat16, args.rows, args.experts, compiled=not args.no_compile)
+        print(f"built in {time.perf_counter() - t0:.0f} s, memory {json.dumps(memory)}", flush=True)
         audio = spoken_message(5.0)
         requests = {
             "short text": lambda seed: ChatRequest([Turn("user", SHORT_MESSAGE)], max_new_tokens=args.tokens, max_frames=args.frames, seed=seed),
@@ -235,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             **report_header("pipeline.bench_omni", argv), "transformers": transformers.__version__,
             "rows": args.rows, "compiled": not args.no_compile, "tokens": args.tokens, "frames": args.frames, "repeats": args.repeats, "experts": args.experts,
-            "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "memory": memory,
             "single": {name: median_run(chat, make, args.repeats) for name, make in requests.items()},
         }
         print(json.dumps(report["single"]), flush=True)
@@ -243,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report["together"]), flush=True)
         if args.trace is not None:
             write_trace(chat, requests["short text"](7), args.trace)
+        report["memory"] |= {"peak_allocated_gib": gib(torch.cuda.max_memory_allocated()), "peak_reserved_gib": gib(torch.cuda.max_memory_reserved())}
     write_report(args.out, "omni", report, markdown(report))
     return 0
 

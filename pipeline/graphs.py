@@ -7,19 +7,38 @@ from typing import Any
 import torch
 
 
+class GraphPool:
+    """One memory pool and one capture stream for graphs that never replay at the same time (their
+    callers serialise them): a graph captured into it reuses the memory the graphs captured before it
+    needed only while they ran, rather than holding its own. The allocator hands a freed block only to
+    the stream it was freed on, so sharing the memory means sharing the stream (and its cuBLAS
+    workspace, which is safe for graphs that never overlap)."""
+
+    def __init__(self, priority: int = 0):
+        self.priority = priority
+        self.handle: Any = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def open(self) -> tuple[Any, torch.cuda.Stream]:
+        if self.stream is None:
+            self.handle, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(priority=self.priority)
+        return self.handle, self.stream
+
+
 class CUDAGraphed:
     """`fn()` over static buffers: eager where graphs are off, else captured on the first call
     (after warm-up runs on a side stream, as capture requires) and replayed from then on.
 
     `priority` (lower is more urgent, as CUDA's) is given to the graph's kernels.
+    `shared`: the pool (and stream) of graphs this one never overlaps; None: its own.
     `fn` takes no arguments: it reads and writes tensors that live as long as this object, so a
     replay sees whatever the caller copied into them. Its return value (tensors, possibly nested
     in tuples) is static too: the next call overwrites it. Warm-up runs execute `fn` for real, so
     callers capture while its writes are harmless (e.g. every row of the batch inactive).
     """
 
-    def __init__(self, fn: Callable[[], Any], enabled: bool, warmup: int = 2, priority: int = 0):
-        self.fn, self.enabled, self.warmup, self.priority = fn, enabled, warmup, priority
+    def __init__(self, fn: Callable[[], Any], enabled: bool, warmup: int = 2, priority: int = 0, shared: GraphPool | None = None):
+        self.fn, self.enabled, self.warmup, self.priority, self.shared = fn, enabled, warmup, priority, shared
         self.graph: torch.cuda.CUDAGraph | None = None
         self.stream: torch.cuda.Stream | None = None
         self.output: Any = None
@@ -39,13 +58,13 @@ class CUDAGraphed:
         # replayed at once on two streams (the decode step and the vocoder) race in it. That race
         # made the same seed give different codes from run to run.
         # The graph's kernels keep the priority of the stream they were captured on.
-        stream = torch.cuda.Stream(priority=self.priority)
+        pool, stream = self.shared.open() if self.shared else (None, torch.cuda.Stream(priority=self.priority))
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):
                 self.fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             self.output = self.fn()
         self.graph, self.stream = graph, stream  # the stream (and its workspace) lives as long as the graph

@@ -6,7 +6,7 @@ import torch
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTalkerTextConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextSparseMoeBlock
 
-from pipeline.omni.moe import SparseMoeBlock
+from pipeline.omni.moe import GATHER_TOKENS, SparseMoeBlock
 from pipeline.tiny import randomize_
 
 TINY = dict(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3, shared_expert_intermediate_size=24)
@@ -32,10 +32,11 @@ def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
-def test_moe_matches_transformers(norm_topk_prob):
+@pytest.mark.parametrize("shape", [(2, 7), (1, 3 * GATHER_TOKENS + 5)], ids=["decode rows", "a prompt in pieces"])
+def test_moe_matches_transformers(norm_topk_prob, shape):
     ours, reference = _blocks(norm_topk_prob)
     ours.load_state_dict(reference.state_dict(), strict=True)
-    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(*shape, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(x)
         got = ours(x)

@@ -16,6 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Up to this many tokens (the decode step's rows), each token's chosen experts' weights are gathered
+# (~14 MB a token at the released talker's size); a prompt's tokens instead go through every expert
+# at once and keep what they chose, which needs memory by the expert rather than by the token (a
+# 512-token prompt gathered would ask for 7 GB).
+GATHER_TOKENS = 16
+
 
 class MLP(nn.Module):
     """The gated shared expert (names as the checkpoint's `shared_expert`)."""
@@ -76,10 +82,22 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
+        routed = self._gathered(x, weights, chosen) if len(x) <= GATHER_TOKENS else self._through_every_expert(x, weights, chosen)
+        out = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of each token's top-k experts, [N, H] -> [N, H], their weights gathered per token."""
         gate_up = self.experts.gate_up_proj[chosen]  # [N, k, 2I, H]
         h = torch.einsum("nkih,nh->nki", gate_up, x)
         gate, up = h.split(self.intermediate, dim=-1)
         routed = torch.einsum("nkhi,nki->nkh", self.experts.down_proj[chosen], F.silu(gate) * up)
-        out = (routed * weights[..., None]).sum(1)
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(shape)
+        return (routed * weights[..., None]).sum(1)
+
+    def _through_every_expert(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The same sum with every expert applied to every token and weighted 0 where not chosen."""
+        h = torch.einsum("eih,nh->eni", self.experts.gate_up_proj, x)  # [E, N, 2I]
+        gate, up = h.split(self.intermediate, dim=-1)
+        routed = torch.einsum("ehi,eni->enh", self.experts.down_proj, F.silu(gate) * up)  # [E, N, H]
+        mix = torch.zeros(len(x), routed.shape[0], dtype=x.dtype, device=x.device).scatter(1, chosen, weights)  # [N, E]
+        return torch.einsum("enh,ne->nh", routed, mix)

@@ -33,7 +33,7 @@ from packaging.version import Version
 
 from pipeline.engine.sampling import M32, RowSampling, exponential_noise, mix32, sample_rows
 from pipeline.errors import CheckpointError
-from pipeline.graphs import CUDAGraphed
+from pipeline.graphs import CUDAGraphed, GraphPool
 from pipeline.model import known_fields
 from pipeline.omni.conversation import ThinkerInputs
 
@@ -102,7 +102,7 @@ class _Slot:
         self.token = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
         self.rope_position = torch.zeros(1, dtype=torch.long, device=weight.device)
         cuda = weight.device.type == "cuda"
-        self.step = CUDAGraphed(lambda: thinker._decode(self), enabled=cuda)
+        self.step = CUDAGraphed(lambda: thinker._decode(self), enabled=cuda, shared=thinker.graph_pool)
         self.picked = torch.zeros(1, dtype=torch.long, pin_memory=cuda)
         self.picked_ready = torch.cuda.Event() if cuda else None
 
@@ -143,11 +143,13 @@ class Thinker:
     and reply); a further one waits for a slot."""
 
     def __init__(self, model, accept_hidden_layer: int, slots: int = 1, max_len: int = 4096):
+        model.visual = None  # messages are text and audio: the vision encoder's ~1.1 GB (bf16) is not kept
         self.model = model
         self.text = model.get_decoder()  # the text model: embeddings, rotary embedding, decoder layers, norm
         self.accept_hidden_layer = accept_hidden_layer
         self.max_len = max_len
         self.lock = threading.Lock()
+        self.graph_pool = GraphPool()  # every graph of the thinker runs under its lock, so they share one pool
         weight = model.get_input_embeddings().weight
         self.device, self.vocab = weight.device, model.lm_head.weight.shape[0]
         self.key_positions = torch.arange(max_len, device=self.device)
@@ -161,9 +163,10 @@ class Thinker:
         self.prefill_in = torch.zeros(1, self.buckets[-1], config.hidden_size, dtype=weight.dtype, device=self.device)
         self.prefill_mid = torch.zeros_like(self.prefill_in)
         graphs = self.device.type == "cuda"
-        self.prefill_lower = {b: CUDAGraphed(partial(self._prefill_layers, b, 0, accept_hidden_layer), graphs) for b in self.buckets}
-        self.prefill_upper = {b: CUDAGraphed(partial(self._prefill_layers, b, accept_hidden_layer, config.num_hidden_layers), graphs)
+        self.prefill_lower = {b: CUDAGraphed(partial(self._prefill_layers, b, 0, accept_hidden_layer), graphs, shared=self.graph_pool)
                               for b in self.buckets}
+        self.prefill_upper = {b: CUDAGraphed(partial(self._prefill_layers, b, accept_hidden_layer, config.num_hidden_layers), graphs,
+                                             shared=self.graph_pool) for b in self.buckets}
         self.free: queue.Queue[_Slot] = queue.Queue()
         for slot in self.slots:
             self.free.put(slot)
@@ -182,13 +185,14 @@ class Thinker:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture every graph (a capture's warm-up runs write into the caches, which the next prompt overwrites)."""
+        """Capture every graph (a capture's warm-up runs write into the caches, which the next prompt overwrites),
+        the largest prompt first: the pool then holds its working memory, which every later capture reuses."""
         with self.lock:
-            for slot in self.slots:
-                slot.step()
-            for bucket in self.buckets:
+            for bucket in reversed(self.buckets):
                 self.prefill_lower[bucket]()
                 self.prefill_upper[bucket]()
+            for slot in self.slots:
+                slot.step()
 
     @classmethod
     def from_pretrained(cls, directory: Path, device: torch.device, dtype: torch.dtype, accept_hidden_layer: int, **options) -> "Thinker":
