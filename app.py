@@ -9,7 +9,7 @@ from pipeline.errors import TTSInputError
 from pipeline.listening import Sessions
 from pipeline.remote import RemoteService
 from pipeline.server import Access
-from pipeline.service import OMNI, TYPE_NAMES, ModelService, parse_models
+from pipeline.service import TYPE_NAMES, ModelService, parse_models
 from ui.app import build_demo, launch_options
 
 
@@ -23,8 +23,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+ZERO_GPU_REFUSED = (
+    "ZeroGPU Spaces are not supported: the engine keeps its CUDA graphs, caches and scheduler threads from one request to "
+    "the next, which ZeroGPU's GPU, lent to one function call at a time in a worker process, does not allow; choose a "
+    "dedicated GPU (an L4 or larger) in the Space's settings, or serve the UI only with --backend URL."
+)
+
+
 def on_zero_gpu() -> bool:
-    # Hugging Face sets this on ZeroGPU Spaces, where weights must be placed before the app serves.
+    # Hugging Face sets this on ZeroGPU Spaces.
     return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
 
 
@@ -59,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="API key of the --backend server, sent as 'Authorization: Bearer KEY' (env QWEN_TTS_BACKEND_KEY; default: none)")
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link (default: off)")
     parser.add_argument(
-        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the prefill and of Omni's talker step, and, with --no-fused-kernels, of the decode step's sampling and code embeddings (with the fused kernels those run inside them; faster start, slower prefill; default: compiled; always off on ZeroGPU)"
+        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the prefill and of Omni's talker step, and, with --no-fused-kernels, of the decode step's sampling and code embeddings (with the fused kernels those run inside them; faster start, slower prefill; default: compiled)"
     )
     parser.add_argument(
         "--no-fused-kernels", action="store_true", help="on CUDA, run the decode step's transformer layers as PyTorch modules (compiled unless "
@@ -75,19 +82,14 @@ def local_service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(exc))
     if args.rows is not None and not 1 <= args.rows <= 256:
         parser.error(f"--rows takes a number from 1 to 256, not {args.rows}.")
+    if on_zero_gpu():  # checked before torch touches CUDA, which ZeroGPU forbids in the main process
+        parser.exit(2, f"{parser.prog}: {ZERO_GPU_REFUSED}\n")
     device = args.device or default_device()
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    zero_gpu = on_zero_gpu()
-    # ZeroGPU does not support torch.compile (https://huggingface.co/docs/hub/spaces-zerogpu).
-    compiled = device.startswith("cuda") and not args.no_compile and not zero_gpu
+    compiled = device.startswith("cuda") and not args.no_compile
     service = ModelService(choices, device=device, dtype=dtype, tiny=args.tiny, compiled=compiled, rows=args.rows,
                            fused=False if args.no_fused_kernels else None)
-    if zero_gpu and not args.tiny and OMNI not in choices:
-        # A ZeroGPU workload has 70 GB of an H200; Qwen3-Omni needs about that in bf16 before its caches.
-        service.choices.pop(OMNI, None)
     service.probe()
-    if zero_gpu:
-        service.preload()
     return service
 
 

@@ -88,6 +88,19 @@ def test_the_space_front_matter_keeps_the_documented_limits():
     assert isinstance(meta["preload_from_hub"], list) and all(hub_id.match(item) for item in meta["preload_from_hub"])
 
 
+def test_a_zero_gpu_space_is_refused_at_start_with_one_sentence(monkeypatch, capsys):
+    """Local models on ZeroGPU stop the app before torch touches CUDA: exit code 2 and one sentence naming what to choose instead."""
+    monkeypatch.setenv("SPACES_ZERO_GPU", "true")
+    parser = app.build_parser()
+    with pytest.raises(SystemExit) as stopped:
+        app.local_service(parser.parse_args(["--tiny"]), parser)
+    assert stopped.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert message == f"{parser.prog}: {app.ZERO_GPU_REFUSED}" and "\n" not in message
+    assert "ZeroGPU Spaces are not supported" in message and "dedicated GPU" in message and "--backend" in message
+    assert "ZeroGPU is refused at start" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
 def test_requirements_allow_the_transformers_the_omni_thinker_supports_and_the_tests_take_them():
     from pipeline.omni.thinker import SUPPORTED_TRANSFORMERS
 
