@@ -1,5 +1,6 @@
 """Listening sessions in the browser: a listener through an A/B and a MUSHRA session, the results,
 and what a crafted link or session file carries shown as text."""
+import pytest
 from browser import HANG_GUARD_MS, skip_without_browser
 
 skip_without_browser()
@@ -111,3 +112,70 @@ def test_a_crafted_share_link_and_a_file_value_show_as_text(page, app_url):
     page.click("#organize-check")
     toasts.filter(has_text=f"not '{HOSTILE}'").first.wait_for(timeout=30_000)  # the value, shown literally
     assert toasts.locator("a, img").count() == 0
+
+
+def test_the_empty_form_guides_and_the_sample_session_checks_saves_and_renders(page, live_app):
+    """The Listen view opens with a guide; Organize opens empty with its own, and the sample session
+    it loads passes Check and then Save and render on the app serving the tiny checkpoints."""
+    _, _, sessions = live_app
+    page.get_by_role("tab", name="Listening test").click()
+    guide = page.locator("#listen-guide")
+    guide.wait_for(state="visible")
+    assert "Start or resume" in guide.inner_text() and "Load the sample session" in guide.inner_text()
+    page.get_by_role("tab", name="Organize").click()
+    assert "Load the sample session" in page.locator("#organize-guide").inner_text()
+    editor = page.locator("#organize-text .cm-content")
+    assert editor.inner_text().strip() == ""
+    page.click("#organize-sample")
+    page.wait_for_function("() => document.querySelector('#organize-text .cm-content').innerText.includes('name: sizes-ab')")
+    status = page.locator("#organize-status")
+    page.click("#organize-check")
+    page.wait_for_function("() => document.querySelector('#organize-status').innerText.includes('sizes-ab: AB, 2 systems')")
+    assert "Rendered by this app's 'tiny' checkpoint in place of the one the file names: small, large." in status.inner_text()
+    assert sessions.names().count("sizes-ab") == 0  # Check stores nothing
+    page.click("#organize-save")
+    page.wait_for_function("() => document.querySelector('#organize-status').innerText.includes('clips ready')")
+    assert "sizes-ab saved; 6 clips ready." in status.inner_text() and "/?session=sizes-ab" in status.inner_text()
+    assert sessions.missing("sizes-ab") == 0 and page.locator("[data-testid=toast-body]").count() == 0
+
+
+SHOWN_PROGRESS = "() => [...document.querySelectorAll('[data-testid=status-tracker]:not(.hide)')].map(e => e.parentElement.id || e.className)"
+
+WATCH_THE_VOTE = """() => {
+    window.votePage = {progress: [], labels: []};
+    const look = () => {
+        window.votePage.progress.push(...(%s)());
+        window.votePage.labels.push(document.querySelector('#listen-submit').innerText);
+    };
+    new MutationObserver(look).observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
+}""" % SHOWN_PROGRESS
+
+
+def test_a_vote_is_acknowledged_without_a_progress_overlay_and_the_next_trial_follows(page, live_app):
+    """From the click on Submit until the next trial is on the page, no progress overlay or spinner
+    shows anywhere on it; the button says at once that the vote is being saved. The trial's two
+    players share the row's width."""
+    _, _, sessions = live_app
+    sessions.save("name: browser-quiet\ntest: ab\ntrials_per_listener: 2\n" + LISTENING_SYSTEMS)
+    sessions.render("browser-quiet")
+    listen(page, "browser-quiet", "cy")
+    assert page.locator("#listen-guide").is_hidden()
+    row = page.locator("#listen-clips").bounding_box()
+    a, b = page.locator("#listen-clip-0").bounding_box(), page.locator("#listen-clip-1").bounding_box()
+    assert a["width"] == pytest.approx(b["width"], abs=1) and a["x"] == pytest.approx(row["x"], abs=1)  # one column each, the row between them
+    assert b["x"] + b["width"] == pytest.approx(row["x"] + row["width"], abs=1)
+    play_to_the_end(page, "listen-clip-0", "A")
+    play_to_the_end(page, "listen-clip-1", "B")
+    page.wait_for_function("() => /vote is open/.test(document.querySelector('#listen-hint').innerText)")
+    page.click("#listen-submit")  # no answer chosen: refused with its sentence, and the button says "Submit vote" again
+    page.locator("[data-testid=toast-body]").filter(has_text="Choose an answer first.").first.wait_for()
+    page.wait_for_function("() => document.querySelector('#listen-submit').innerText === 'Submit vote'")
+    page.locator("#listen-choice").get_by_text("B", exact=True).click()
+    page.wait_for_function(f"() => ({SHOWN_PROGRESS})().length === 0")  # the page at rest before the vote
+    page.evaluate(WATCH_THE_VOTE)
+    page.click("#listen-submit")
+    page.wait_for_function("() => document.querySelector('#listen-progress').innerText.includes('Trial 2 of 2 · vote saved')")
+    seen = page.evaluate("() => window.votePage")
+    assert seen["progress"] == [] and "Saving your vote…" in seen["labels"]
+    assert page.locator("#listen-submit").inner_text() == "Submit vote" and page.locator("#listen-clip-1").is_visible()
+    assert [v["trial"] for v in sessions.store.votes(sessions.session("browser-quiet"))] == [0]

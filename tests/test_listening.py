@@ -305,6 +305,57 @@ def test_csv_export_holds_every_vote(tmp_path):
     assert len(rows) == 3 and rows[0]["comment"] == 'says "both, fine"' and json.loads(rows[0]["clips"]) == list(trials(session, "ann")[0].clips)
 
 
+def test_few_votes_give_no_interval_and_no_interval_outside_its_scale():
+    """Below MIN_VOTES votes there is no interval; Bradley-Terry strengths only once they are finite;
+    a MUSHRA interval is clipped to 0-100."""
+    assert stats.MIN_VOTES == 3
+    (pair,) = stats.pairwise(ab_votes({("a", "b", "a"): 2}), ["a", "b"])
+    assert (pair.first_wins, pair.ci_low, pair.ci_high) == (2, None, None)
+    (pair,) = stats.pairwise(ab_votes({("a", "b", "a"): 3}), ["a", "b"])
+    assert 0.0 <= pair.ci_low < pair.ci_high <= 1.0
+    assert stats.bradley_terry([], ["a", "b"]) is None
+    assert stats.bradley_terry(ab_votes({("a", "b", "a"): 8}), ["a", "b"]) is None  # a always won: its strength has no bound
+    assert stats.bradley_terry(ab_votes({("a", "b", "a"): 3, ("b", "a", "b"): 3}), ["a", "b", "c"]) is None  # c never compared
+    assert stats.bradley_terry(ab_votes({("a", "b", "a"): 2, ("b", "a", "none"): 1}), ["a", "b"]) is not None  # a tie: b "won" half
+    assert stats.win_shares(ab_votes({("a", "b", "a"): 2, ("b", "a", "b"): 1}), ["a", "b"]) == {"a": 2 / 3, "b": 1 / 3}
+    assert stats.win_shares(ab_votes({("a", "b", "a"): 2}), ["a", "b"]) == {}
+    one = stats.mushra([{"listener": "ann", "scores": {"ref": 100, "sys": 70}}], "ref")
+    assert one["all"]["sys"] == {"mean": 70.0, "ci_low": None, "ci_high": None, "n": 1}
+    spread = stats.mushra([{"listener": n, "scores": {"ref": 100, "sys": s}} for n, s in (("ann", 0), ("ben", 0), ("cat", 100))], "ref")
+    assert (spread["all"]["sys"]["ci_low"], spread["all"]["sys"]["ci_high"]) == (0.0, 100.0)  # the t interval alone: -110 to 177
+
+
+def results_shown(sessions, name: str) -> tuple:
+    """What the Results view shows of a session: its summary, both tables and the plot's bars."""
+    import gradio as gr
+
+    from ui import listening
+
+    with gr.Blocks() as demo:
+        listening.build(sessions)
+    head, table, second, plot, _ = next(f.fn for f in demo.fns.values() if f.api_name == "results")(name)
+    return head, table, second, plot
+
+
+def test_the_results_view_says_not_enough_votes_yet_instead_of_nan(recordings):
+    from pipeline.listening import Sessions
+
+    sessions = Sessions(recordings, None)
+    sessions.save(FOLDERS_AB.format(name="few"))
+    session = sessions.session("few")
+    mushra = FOLDERS_AB.format(name="rated").replace("test: ab\ntrials_per_listener: 2", "test: mushra\nreference: human")
+    sessions.save(mushra)
+    for name, votes in (("few", []), ("few", [Vote("ann", 0, "A", plays=both_played())]), ("rated", [Vote("ann", 0, scores={"0": 100, "1": 5, "2": 0},
+                                                                                                         plays=both_played(3))])):
+        for vote in votes:
+            sessions.store.record(sessions.session(name), vote)
+        head, table, second, plot = results_shown(sessions, name)
+        shown = " ".join([head, table.to_string(), second.to_string(), plot["value"].to_string()])
+        assert "nan" not in shown.lower() and "not enough votes yet" in shown
+        assert plot["value"].empty and "The plot: not enough votes yet (a bar needs 3)." in head
+    assert len(sessions.store.votes(session)) == 1
+
+
 # ---- rendering -----------------------------------------------------------------------------------
 
 def test_render_normalises_caches_and_rerenders_the_same_audio(tiny_checkpoints, recordings):
@@ -355,7 +406,7 @@ def test_check_command(recordings, capsys):
 def test_sessions_service_messages(tmp_path, recordings):
     from pipeline.listening import Sessions
 
-    never = Sessions(tmp_path / "s", lambda *a: pytest.fail("nothing should render"))
+    never = Sessions(tmp_path / "s", None)  # no renderer: the file's own checks alone
     text = "name: svc\ntest: ab\ntrials_per_listener: 2\nsystems:\n  - {name: a, checkpoint: t, mode: voice_design}\n" \
            "  - {name: b, checkpoint: t, mode: voice_design}\nitems:\n  - {name: i, text: Hi., instruct: Calm.}\n"
     never.save(text)
@@ -373,6 +424,60 @@ def test_sessions_service_messages(tmp_path, recordings):
     never.save(text)  # the same file again is fine
     with pytest.raises(SessionError, match="Session 'svc' already has votes: save the changed file under a new name."):
         never.save(text.replace("Hi.", "Hello."))
+
+
+# ---- Check and Save: one validation -----------------------------------------------------------------
+
+@pytest.fixture
+def tiny_app_sessions(tiny_checkpoints, tmp_path):
+    """Sessions rendered by the service of an app started with --tiny."""
+    from pipeline.listening import Sessions
+    from pipeline.service import ModelService
+
+    service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)
+    return Sessions(tmp_path / "sessions", service.model)
+
+
+def test_the_sample_session_passes_check_and_save_and_renders_under_the_tiny_app(tiny_app_sessions):
+    from pipeline.listening.render import clip_key
+
+    sessions, text = tiny_app_sessions, (REPO / "assets/listening/sizes-ab.yaml").read_text(encoding="utf-8")
+    checked = sessions.check(text)
+    assert [(s.checkpoint, s.served_by) for s in checked.systems] == [("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "tiny"),
+                                                                       ("Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice", "tiny")]
+    assert sessions.save(text) == checked
+    assert sessions.render("sizes-ab") == 6 and sessions.missing("sizes-ab") == 0
+    view = sessions.trial("sizes-ab", "ann")
+    assert len(view.clips) == 2 and all(Path(clip).is_file() for clip in view.clips)
+    # A clip the tiny checkpoint rendered is never taken for the named checkpoint's, in an app that serves it.
+    named = load_session(REPO / "assets/listening/sizes-ab.yaml")
+    assert clip_key(named, "small", "news") != clip_key(sessions.session("sizes-ab"), "small", "news")
+
+
+def test_a_checkpoint_the_app_does_not_serve_fails_check_with_the_sentence_save_gives(tiny_app_sessions):
+    sessions = tiny_app_sessions
+    text = (REPO / "assets/listening/sizes-ab.yaml").read_text(encoding="utf-8").replace("Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice", "Qwen/Qwen3-TTS-9B")
+    sentence = "session file line 13: system 'large': 'Qwen/Qwen3-TTS-9B' is not one of this app's custom_voice checkpoints: tiny."
+    for step in (sessions.check, sessions.save):
+        with pytest.raises(SessionError) as error:
+            step(text)
+        assert str(error.value) == sentence
+    speaker = (REPO / "assets/listening/sizes-ab.yaml").read_text(encoding="utf-8").replace("speaker: vivian", "speaker: nobody")
+    for step in (sessions.check, sessions.save):  # a check that needs the checkpoint: the same sentence too
+        with pytest.raises(SessionError, match=r"^session file line 22: item 'story' with system 'small': Unknown speaker 'nobody': choose one of"):
+            step(speaker)
+    assert sessions.names() == []  # nothing saved
+
+
+def test_official_checkpoints_are_rendered_by_the_tiny_one_only_where_the_app_serves_nothing_else():
+    from pipeline.listening.checkpoints import served_checkpoint
+
+    small, large = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"
+    assert served_checkpoint({"custom_voice": ("tiny",)}, "custom_voice", large) == "tiny"
+    assert served_checkpoint({"custom_voice": (small, large)}, "custom_voice", large) == large
+    assert served_checkpoint({"custom_voice": ("tiny", small)}, "custom_voice", large) is None  # a real one is served: no stand-in
+    assert served_checkpoint({"custom_voice": ("tiny",)}, "custom_voice", "/models/mine") is None  # a folder is not an official one
+    assert served_checkpoint({"custom_voice": ("tiny",)}, "voice_design", large) is None
 
 
 # ---- the Listen view: what a vote may name, and when --------------------------------------------

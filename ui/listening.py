@@ -12,7 +12,9 @@ from gradio.data_classes import FileData
 
 from pipeline.errors import TTSInputError
 from pipeline.listening import NO_PREFERENCE, SessionError, Sessions, TrialView, Vote, VoteError
+from pipeline.listening.checkpoints import served_note
 from pipeline.listening.session import NAME as ID_PATTERN  # session names and listener ids
+from pipeline.listening.stats import MIN_VOTES, MUSHRA_SCALE
 from pipeline.listening.store import MUSHRA_START
 from ui.errors import input_error, markdown_text, warn
 
@@ -21,6 +23,28 @@ MAX_CONDITIONS = 8  # MUSHRA conditions shown at once (the hidden reference and 
 SAMPLE = Path(__file__).resolve().parents[1] / "assets" / "listening" / "sizes-ab.yaml"
 RESULTS_EVERY_S = 5.0
 CHOICES = {"A": "A", "B": "B", "No preference": NO_PREFERENCE}
+SUBMIT = "Submit vote"
+SAVING = "Saving your vote…"  # the button's label from the click until the server's answer: no spinner over the page
+NOT_ENOUGH = "not enough votes yet"
+LISTEN_GUIDE = (
+    "**Taking part?** Open the link the organizer sent you (it fills in both boxes), or type the session's name and an id of "
+    "your own, then press **Start or resume**. Play every clip to the end, answer and submit: the next trial follows, and "
+    "coming back later resumes where you left off.\n\n"
+    "**Running a test?** Open **Organize**, press **Load the sample session**, then **Check** and **Save and render**, "
+    "and share the link it gives you; the votes come in under **Results**."
+)
+ORGANIZE_GUIDE = (
+    "1. Write or paste a session file below, or press **Load the sample session** (an AB test of the 0.6B and 1.7B "
+    "CustomVoice checkpoints) and change it. Paths are relative to the sessions folder.\n"
+    "2. **Check** runs every check that Save runs: the file, then each system's checkpoint (loaded now) with each item's "
+    "speaker and language.\n"
+    "3. **Save and render** stores it and renders every clip (unchanged clips are not rendered again), then gives the link "
+    "to share.\n\n"
+    "An app started with `--tiny` renders a system naming an official checkpoint with its tiny random one, as its tabs do: "
+    "the steps work, and the clips are noise."
+)
+RESULTS_GUIDE = (f"Pick a session: its results refresh every {RESULTS_EVERY_S:.0f} s. An interval or a bar needs {MIN_VOTES} votes; "
+                 f"before that the table says *{NOT_ENOUGH}*.")
 
 
 @dataclasses.dataclass
@@ -64,6 +88,7 @@ def build(sessions: Sessions) -> ListenParts:
 # ---- Listen --------------------------------------------------------------------------------------
 
 def _listen_view(sessions: Sessions) -> ListenParts:
+    guide = gr.Markdown(LISTEN_GUIDE, elem_id="listen-guide")
     with gr.Row():
         session = gr.Textbox(label="Session", elem_id="listen-session", scale=2)
         listener = gr.Textbox(label="Your listener id", elem_id="listen-listener", scale=2)
@@ -71,10 +96,11 @@ def _listen_view(sessions: Sessions) -> ListenParts:
     progress = gr.Markdown("", elem_id="listen-progress")
     text = gr.Markdown("", elem_id="listen-text")
     reference = ClipPlayer(label="Reference", type="filepath", interactive=False, visible=False, elem_id="listen-reference")
-    clips, scores = [], []
-    with gr.Row():
-        for i in range(MAX_CONDITIONS):
-            with gr.Column(min_width=160):
+    clips, scores, columns = [], [], []
+    with gr.Row(elem_id="listen-clips"):
+        for i in range(MAX_CONDITIONS):  # a trial's columns alone are shown, so that they share the row's width
+            with gr.Column(min_width=160, visible=False) as column:
+                columns.append(column)
                 clips.append(ClipPlayer(label=chr(ord("A") + i), type="filepath", interactive=False, visible=False, elem_id=f"listen-clip-{i}"))
                 scores.append(gr.Slider(0, 100, value=MUSHRA_START, step=1, label="Score", visible=False, elem_id=f"listen-score-{i}"))
     x_clip = ClipPlayer(label="X", type="filepath", interactive=False, visible=False, elem_id="listen-x")
@@ -83,7 +109,7 @@ def _listen_view(sessions: Sessions) -> ListenParts:
         confidence = gr.Radio(["1", "2", "3", "4", "5"], label="Confidence (optional: 1 unsure, 5 certain)", visible=False, elem_id="listen-confidence")
         comment = gr.Textbox(label="Comment (optional)", visible=False, elem_id="listen-comment")
     hint = gr.Markdown("", elem_id="listen-hint")
-    submit = gr.Button("Submit vote", variant="primary", interactive=False, visible=False, elem_id="listen-submit")
+    submit = gr.Button(SUBMIT, variant="primary", interactive=False, visible=False, elem_id="listen-submit")
     current = gr.State(None)  # the TrialView on screen; its token names the server's record of this showing
 
     trial_outputs = [current, progress, text, reference, *clips, *scores, x_clip, choice, confidence, comment, hint, submit]
@@ -98,7 +124,7 @@ def _listen_view(sessions: Sessions) -> ListenParts:
             hidden = [gr.update(visible=False, value=None)] * (1 + MAX_CONDITIONS) + [gr.update(visible=False)] * MAX_CONDITIONS
             return [None, "**All trials done. Thank you!**" + (f" {note}" if note else ""), "", *hidden, gr.update(visible=False, value=None),
                     gr.update(visible=False, value=None), gr.update(visible=False, value=None), gr.update(visible=False, value=""), "",
-                    gr.update(visible=False)]
+                    gr.update(visible=False, value=SUBMIT)]
         mushra = view.test == "mushra"
         n = len(view.clips)
         clip_updates = [gr.update(visible=i < n, value=view.clips[i] if i < n else None, label=_label(view, i)) for i in range(MAX_CONDITIONS)]
@@ -108,20 +134,24 @@ def _listen_view(sessions: Sessions) -> ListenParts:
         return [view, _progress(view, note), f"> {markdown_text(view.text)}",
                 gr.update(visible=mushra, value=view.reference), *clip_updates, *score_updates,
                 gr.update(visible=view.x is not None, value=view.x), gr.update(visible=not mushra, value=None, choices=choices, label=question),
-                gr.update(visible=True, value=None), gr.update(visible=True, value=""), _hint(view, {}), gr.update(visible=True, interactive=False)]
+                gr.update(visible=True, value=None), gr.update(visible=True, value=""), _hint(view, {}),
+                gr.update(visible=True, interactive=False, value=SUBMIT)]
 
     def next_values(view: TrialView, note: str) -> list:
         # Plain values, hidden players and sliders included (None, the start score): a gr.skip() is an update too.
         n = len(view.clips)
         return [view, _progress(view, note), f"> {markdown_text(view.text)}", view.reference,
                 *[view.clips[i] if i < n else None for i in range(MAX_CONDITIONS)], *[MUSHRA_START] * MAX_CONDITIONS,
-                view.x, None, None, "", _hint(view, {}), gr.update(interactive=False)]
+                view.x, None, None, "", _hint(view, {}), gr.update(interactive=False, value=SUBMIT)]
 
     def begin(name: str, who: str):
+        """The trial's outputs, its columns (the same for every trial of a session) and the guide, put away."""
         try:
-            return show(sessions.trial(name.strip(), who.strip()))
+            view = sessions.trial(name.strip(), who.strip())
         except (SessionError, VoteError) as exc:
             raise input_error(exc) from None
+        shown = len(view.clips) if view is not None else 0
+        return [*show(view), *[gr.update(visible=i < shown) for i in range(MAX_CONDITIONS)], gr.update(visible=False)]
 
     def played(view: TrialView | None, key: str):
         if view is None:
@@ -153,14 +183,18 @@ def _listen_view(sessions: Sessions) -> ListenParts:
 
     # No limit on any of these: every listener runs their own at once (the counts of plays are kept,
     # under a lock, by `sessions`; the votes are SQLite commits, one connection each).
-    start.click(begin, inputs=[session, listener], outputs=trial_outputs, api_name="listen_start", concurrency_limit=None)
+    start.click(begin, inputs=[session, listener], outputs=[*trial_outputs, *columns, guide], api_name="listen_start", concurrency_limit=None)
     # Played to the end (the players' "stop" event); named so that scripted listeners (tests, API clients) can do what a browser does.
-    heard = {"concurrency_limit": None, "api_visibility": "undocumented"}
+    heard = {"concurrency_limit": None, "api_visibility": "undocumented", "show_progress": "hidden"}
     for i, clip in enumerate(clips):
         clip.stop(lambda v, key=str(i): played(v, key), inputs=current, outputs=[hint, submit], api_name=f"listen_played_{i}", **heard)
     x_clip.stop(lambda v: played(v, "x"), inputs=current, outputs=[hint, submit], api_name="listen_played_x", **heard)
-    submit.click(vote, inputs=[session, listener, current, choice, confidence, comment, *scores], outputs=trial_outputs,
-                 api_name="listen_vote", concurrency_limit=None)
+    # A vote is acknowledged at once in the browser (the button's label) and answered without a
+    # progress overlay: the answer is the next trial, with "vote saved" in its progress line.
+    submit.click(None, js=f"() => {SAVING!r}", outputs=submit, api_visibility="private")
+    voted = submit.click(vote, inputs=[session, listener, current, choice, confidence, comment, *scores], outputs=trial_outputs,
+                         api_name="listen_vote", concurrency_limit=None, show_progress="hidden")
+    voted.failure(None, js=f"() => {SUBMIT!r}", outputs=submit, api_visibility="private")  # its toast says why
     return ListenParts(session, listener, start)
 
 
@@ -195,6 +229,7 @@ def _hint(view: TrialView | None, counts: dict) -> str:
 # ---- Results -------------------------------------------------------------------------------------
 
 def _results_view(sessions: Sessions) -> None:
+    gr.Markdown(RESULTS_GUIDE, elem_id="results-guide")
     with gr.Row():
         name = gr.Dropdown(sessions.names(), label="Session", allow_custom_value=True, elem_id="results-session")
         refresh = gr.Button("Refresh", elem_id="results-refresh")
@@ -216,10 +251,12 @@ def _results_view(sessions: Sessions) -> None:
         if result.get("consistency"):
             head += "\n\nPer-listener consistency (share of votes agreeing with their own majority, pairs heard more than once): " + \
                 ", ".join(f"{k} {v:.2f}" for k, v in result["consistency"].items())
-        frames = _result_frames(result)
+        table, second, bars, scale, meaning = _result_frames(result)
+        if bars.empty:
+            head += f"\n\nThe plot: {NOT_ENOUGH} (a bar needs {MIN_VOTES})."
         csv = Path(tempfile.mkdtemp()) / f"{session}-votes.csv"
         csv.write_text(sessions.votes_csv(session), encoding="utf-8")
-        return head, *frames, str(csv)
+        return head, table, second, gr.update(value=bars, y_lim=list(scale), y_title=meaning), str(csv)
 
     outputs = [summary, table, ranking, plot, download]
     name.change(show, inputs=name, outputs=outputs, api_visibility="private")
@@ -228,61 +265,79 @@ def _results_view(sessions: Sessions) -> None:
     refresh.click(lambda: gr.update(choices=sessions.names()), outputs=name, api_visibility="private")
 
 
+def _interval(low: float | None, high: float | None, digits: int) -> str:
+    return NOT_ENOUGH if low is None else f"{low:.{digits}f} to {high:.{digits}f}"
+
+
+def _bars(values: dict[str, float]) -> pd.DataFrame:
+    return pd.DataFrame({"system": list(values), "value": list(values.values())})
+
+
 def _result_frames(result: dict) -> tuple:
+    """The two tables, the plot's bars, their scale and what they mean; every interval within its
+    scale, or NOT_ENOUGH (pipeline.listening.stats says from how many votes)."""
     if result["test"] == "ab":
         pairs = pd.DataFrame([{"pair": f"{p.first} vs {p.second}", "votes": p.votes, "wins of first": p.first_wins, "wins of second": p.second_wins,
-                               "no preference": p.ties, "win rate of first": round(p.win_rate, 3), "95% CI": f"{p.ci_low:.3f}-{p.ci_high:.3f}",
+                               "no preference": p.ties,
+                               "win rate of first": round(p.win_rate, 3) if p.first_wins + p.second_wins else NOT_ENOUGH, "95% CI": _interval(p.ci_low, p.ci_high, 3),
                                "sign test p": round(p.p_value, 4)} for p in result["pairs"]])
-        ranking = pd.DataFrame([{"system": s, "Bradley-Terry score": round(v[0], 3), "95% CI": f"{v[1]:.3f} to {v[2]:.3f}"}
-                                for s, v in sorted(result["ranking"].items(), key=lambda kv: -kv[1][0])])
-        plot = pd.DataFrame({"system": list(result["ranking"]), "value": [v[0] for v in result["ranking"].values()]})
-        return pairs, ranking, plot
+        if result["ranking"] is None:
+            ranking = pd.DataFrame({"Bradley-Terry ranking": [f"{NOT_ENOUGH} (it needs {MIN_VOTES} votes, and every system to have won and lost)"]})
+        else:
+            ranking = pd.DataFrame([{"system": s, "Bradley-Terry score": round(v[0], 3), "95% CI": _interval(v[1], v[2], 3)}
+                                    for s, v in sorted(result["ranking"].items(), key=lambda kv: -kv[1][0])])
+        return pairs, ranking, _bars(result["shares"]), (0, 1), "share of its decisive votes won"
     if result["test"] == "abx":
         pairs = pd.DataFrame([{"pair": k, **{a: round(b, 4) if isinstance(b, float) else b for a, b in v.items()}} for k, v in result["abx"]["pairs"].items()])
         listeners = pd.DataFrame([{"listener": k, **{a: round(b, 4) if isinstance(b, float) else b for a, b in v.items()}}
                                   for k, v in result["abx"]["listeners"].items()])
-        plot = pd.DataFrame({"system": list(result["abx"]["pairs"]), "value": [v["rate"] for v in result["abx"]["pairs"].values()]})
-        return pairs, listeners, plot
+        rates = {k: v["rate"] for k, v in result["abx"]["pairs"].items() if v["trials"] >= MIN_VOTES}
+        return pairs, listeners, _bars(rates), (0, 1), "share of X identified"
     mushra = result["mushra"]
-    rows = [{"condition": c, "mean": round(v["mean"], 1), "95% CI": f"{v['ci_low']:.1f}-{v['ci_high']:.1f}", "ratings": v["n"],
-             "mean after screening": round(mushra["screened"].get(c, {"mean": float("nan")})["mean"], 1)} for c, v in mushra["all"].items()]
+    screened = mushra["screened"]
+    rows = [{"condition": c, "mean": round(v["mean"], 1), "95% CI": _interval(v["ci_low"], v["ci_high"], 1), "ratings": v["n"],
+             "mean after screening": round(screened[c]["mean"], 1) if c in screened else NOT_ENOUGH} for c, v in mushra["all"].items()]
     flagged = pd.DataFrame({"listeners flagged by BS.1534 post-screening (not removed above)": mushra["flagged"]})
-    plot = pd.DataFrame({"system": list(mushra["all"]), "value": [v["mean"] for v in mushra["all"].values()]})
-    return pd.DataFrame(rows), flagged, plot
+    means = {c: v["mean"] for c, v in mushra["all"].items() if v["n"] >= MIN_VOTES}
+    return pd.DataFrame(rows), flagged, _bars(means), MUSHRA_SCALE, "mean score"
 
 
 # ---- Organize ------------------------------------------------------------------------------------
 
 def _organize_view(sessions: Sessions) -> None:
-    gr.Markdown("Write or paste a session file (format: the sample below and the README). Paths are relative to the sessions folder. "
-                "**Save and render** stores it and renders every clip through the engine (cached: unchanged clips are not rendered again).")
+    gr.Markdown(ORGANIZE_GUIDE, elem_id="organize-guide")
     existing = gr.Dropdown(sessions.names(), label="Open a saved session", elem_id="organize-open")
-    text = gr.Code(SAMPLE.read_text(encoding="utf-8"), language="yaml", label="Session file", elem_id="organize-text")
+    text = gr.Code("", language="yaml", label="Session file", elem_id="organize-text")
     with gr.Row():
+        sample = gr.Button("Load the sample session", elem_id="organize-sample")
         check = gr.Button("Check", elem_id="organize-check")
         save = gr.Button("Save and render", variant="primary", elem_id="organize-save")
     status = gr.Markdown("", elem_id="organize-status")
 
-    def checked(source: str) -> str:
+    def checked(source: str, progress=gr.Progress()) -> str:
+        progress(0, desc="Checking the file, then loading its checkpoints")
         try:
             session = sessions.check(source)
         except SessionError as exc:
             raise input_error(exc) from None
         return f"✔ `{session.name}`: {session.test.upper()}, {len(session.systems)} systems, {len(session.items)} items, " \
-               f"{session.trials_per_listener} trials per listener."
+               f"{session.trials_per_listener} trials per listener. " + served_note(session)
 
     def saved(source: str, progress=gr.Progress()) -> tuple:
+        progress(0, desc="Checking the file, then loading its checkpoints")
         try:
             session = sessions.save(source)
             clips = sessions.render(session.name, lambda done, total: progress(done / max(total, 1), desc=f"Rendering clip {done} of {total}"))
         except TTSInputError as exc:  # a bad file, or a checkpoint this app does not serve
             raise input_error(exc) from None
-        return f"✔ `{session.name}` saved; {clips} clips ready. " + share_link(session.name), gr.update(choices=sessions.names(), value=session.name)
+        return f"✔ `{session.name}` saved; {clips} clips ready. " + share_link(session.name) + " " + served_note(session), \
+            gr.update(choices=sessions.names(), value=session.name)
 
     def opened(name: str) -> str:
         path = sessions.root / name / "session.yaml"
         return path.read_text(encoding="utf-8") if name and path.is_file() else gr.update()
 
+    sample.click(lambda: (SAMPLE.read_text(encoding="utf-8"), ""), outputs=[text, status], api_visibility="private", show_progress="hidden")
     check.click(checked, inputs=text, outputs=status, api_name="session_check")
     save.click(saved, inputs=text, outputs=[status, existing], api_name="session_save")
     existing.change(opened, inputs=existing, outputs=text, api_visibility="private")

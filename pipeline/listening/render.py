@@ -131,7 +131,7 @@ def low_pass(audio: np.ndarray, cutoff_hz: float) -> np.ndarray:
 
 def _submit(model_for: ModelFor, system: System, item: Item):
     request = system.request(item)
-    tts = model_for(request.model_type, system.checkpoint)
+    tts = model_for(request.model_type, system.served_by or system.checkpoint)
     voice = None
     if request.model_type == "base":
         voice = tts.create_voice_prompt(request.ref_audio, request.ref_text, request.x_vector_only)
@@ -139,8 +139,11 @@ def _submit(model_for: ModelFor, system: System, item: Item):
 
 
 def _system_spec(system: System) -> dict:
-    return {"checkpoint": system.checkpoint, "mode": system.mode, "seed": system.seed, "settings": {k: list(v) if isinstance(v, tuple) else v
+    spec = {"checkpoint": system.checkpoint, "mode": system.mode, "seed": system.seed, "settings": {k: list(v) if isinstance(v, tuple) else v
                                                                                                  for k, v in system.settings.items()}}
+    if system.served_by is not None:  # another checkpoint's clip: never taken for the named checkpoint's
+        spec["served_by"] = system.served_by
+    return spec
 
 
 def _item_spec(item: Item) -> dict:

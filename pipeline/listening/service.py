@@ -21,6 +21,7 @@ from pathlib import Path
 
 import soundfile as sf
 
+from pipeline.listening.checkpoints import as_served, check_renderable, served_choices
 from pipeline.listening.design import ANCHOR, trials
 from pipeline.listening.render import ClipCache, ModelFor
 from pipeline.listening.session import NAME, Session, SessionError, load_session, parse_session
@@ -64,7 +65,9 @@ class Shown:
 
 
 class Sessions:
-    def __init__(self, root: str | Path, model_for: ModelFor, clock: Callable[[], float] = time.time):
+    def __init__(self, root: str | Path, model_for: ModelFor | None, clock: Callable[[], float] = time.time):
+        """`model_for`: what renders clips, a service's `model` method (the service's `choices` say which
+        checkpoints it serves), or None for sessions of recordings alone."""
         self.root = Path(root)
         self.clock = clock  # seconds since the epoch: when trials are shown and votes come
         self.root.mkdir(parents=True, exist_ok=True)
@@ -78,12 +81,16 @@ class Sessions:
     # ---- organizer ---------------------------------------------------------------------------
 
     def check(self, text: str, base: Path | None = None) -> Session:
-        """Validate a session file's text (paths relative to `base`, default this folder; they must
-        stay inside this folder: a session file from the page never opens other server paths)."""
+        """Validate a session file's text: the organizer's Check, and Save before it stores the file.
+        The file's own checks (paths relative to `base`, default this folder; they must stay inside
+        this folder: a session file from the page never opens other server paths), then every check
+        that rendering its clips makes (`check_renderable`: the checkpoints, loaded now)."""
         try:
-            return parse_session(text, base or self.root, root=self.root)
+            session = as_served(parse_session(text, base or self.root, root=self.root), served_choices(self.model_for))
+            check_renderable(session, self.model_for)
         except SessionError as exc:
             raise SessionError(f"session file {exc}") from None
+        return session
 
     def save(self, text: str) -> Session:
         """Validate and store a session file as `ROOT/NAME/session.yaml` (replacing one of that name
@@ -106,7 +113,7 @@ class Sessions:
         if not (self.root / name / SESSION_FILE).is_file():
             raise SessionError(f"There is no listening session '{name}'.")
         # Relative paths of a saved session are relative to the folder it was written from: this one.
-        return load_session(self.root / name / SESSION_FILE, base=self.root, root=self.root)
+        return as_served(load_session(self.root / name / SESSION_FILE, base=self.root, root=self.root), served_choices(self.model_for))
 
     def render(self, name: str, progress: Callable[[int, int], None] | None = None) -> int:
         """Render the session's missing clips; returns how many clips it has."""
@@ -208,6 +215,7 @@ class Sessions:
         if session.test == "ab":
             result["pairs"] = stats.pairwise(votes, systems)
             result["ranking"] = stats.bradley_terry(votes, systems)
+            result["shares"] = stats.win_shares(votes, systems)
             result["consistency"] = stats.consistency(votes)
         elif session.test == "abx":
             result["abx"] = stats.abx(votes)

@@ -75,6 +75,7 @@ class System:
     seed: int = 0
     settings: dict = field(default_factory=dict)
     folder: Path | None = None  # ... or existing recordings, ITEM.wav per item
+    served_by: str | None = None  # the app's checkpoint that renders `checkpoint`, where another one does (the tiny one under --tiny)
 
     @property
     def rendered(self) -> bool:
@@ -415,9 +416,9 @@ def _check_systems_serve_items(systems: list[System], items: list[Item], root: P
             try:
                 system.request(item)
             except TTSInputError as exc:
-                raise SessionError(f"line {item.line}: item '{item.name}' with system '{system.name}': {_excerpt(str(exc))}") from None
+                raise SessionError(f"line {item.line}: item '{item.name}' with system '{system.name}': {excerpt(str(exc))}") from None
 
 
-def _excerpt(message: str, most: int = 300) -> str:
+def excerpt(message: str, most: int = 300) -> str:
     """A message from elsewhere, cut to a bounded length (it may quote a long value)."""
     return message if len(message) <= most else message[:most] + "…"
