@@ -7,13 +7,13 @@ where the fused frame's time goes (kernel time by kind, and the launch gaps betw
 and how near the two are numerically: in float32 the codes must be identical, in bf16 the share
 of equal codes and the waveform error over one utterance. `--ablation` times the fused step's
 launch options and paths; `--sweep` times each kernel's tiles alone, `--step-sweep` in the whole
-step (the tiles in pipeline.kernels.decode.TUNED come from it); `--sampling` and `--attention` time
-those kernels alone; `--profile` says where the step's time goes.
+step (the tiles in pipeline.kernels.config.HOPPER_TILES come from it); `--sampling` and `--attention`
+time those kernels alone; `--profile` says where the step's time goes. Every variant is an engine
+built with its own `KernelConfig` (the GPU's, `dataclasses.replace`d).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import statistics
 import sys
@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from types import MappingProxyType
+
 from pipeline.bench import RUNS, SIZES, kernels_per_frame, random_tts, report_header, request, step_ms, write_report
-import pipeline.engine.decoder as decoder_module
-import pipeline.kernels.code_predictor as code_predictor
 import pipeline.kernels.decode as kernels
-from pipeline.kernels.decode import Tiles
+from pipeline.kernels.config import KernelConfig, Tiles
 from pipeline.tts import TTS
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
@@ -89,9 +89,9 @@ def timeline_profile(tts: TTS) -> dict:
     return charge_in_order([(name, start, end) for name, start, end, _ in step_kernels(tts)])
 
 
-def frame_shares(size: str, workdir: Path) -> dict:
+def frame_shares(size: str, workdir: Path, config: KernelConfig) -> dict:
     """`timeline_profile` of a 1-row fused engine, with its step's ms per frame."""
-    return on_one_row_engine(size, workdir, lambda tts: {"step_ms": step_ms(tts, 1), "kinds": timeline_profile(tts)})
+    return on_one_row_engine(size, workdir, config, lambda tts: {"step_ms": step_ms(tts, 1), "kinds": timeline_profile(tts)})
 
 
 def profile_markdown(report: dict) -> str:
@@ -110,60 +110,48 @@ def profile_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def fused_engine(size: str, workdir: Path, rows: int) -> TTS:
-    """The random custom-voice model of `size` in bf16 with the fused step, an engine of `rows` rows."""
-    return random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=rows, fused=True)
+def fused_engine(size: str, workdir: Path, rows: int, config: KernelConfig) -> TTS:
+    """The random custom-voice model of `size` in bf16 with the fused step on `config`, an engine of `rows` rows."""
+    return random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=rows, fused=True, kernels=config)
 
 
-def on_one_row_engine(size: str, workdir: Path, measure):
+def on_one_row_engine(size: str, workdir: Path, config: KernelConfig, measure):
     """`measure(tts)` of a 1-row fused engine built for this measurement alone (freed after it)."""
-    tts = fused_engine(size, workdir, 1)
+    tts = fused_engine(size, workdir, 1, config)
     result = measure(tts)
     del tts
     torch.cuda.empty_cache()
     return result
 
 
-def one_row_step_ms(size: str, workdir: Path) -> float:
-    return on_one_row_engine(size, workdir, lambda tts: step_ms(tts, 1))
+def one_row_step_ms(size: str, workdir: Path, config: KernelConfig) -> float:
+    return on_one_row_engine(size, workdir, config, lambda tts: step_ms(tts, 1))
 
 
-@contextlib.contextmanager
-def kernel_settings(module=kernels, **values):
-    """Module settings of pipeline.kernels (decode's OVERLAP, L2_PREFETCH_BYTES, TUNED, tiles;
-    code_predictor's PERSISTENT) or of pipeline.engine.decoder (ROW_BLOCKS) set inside the block, restored after it;
-    a step built inside keeps them."""
-    saved = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
+def with_tiles(config: KernelConfig, key: tuple[str, int, int], t: Tiles) -> KernelConfig:
+    """`config` with tiles `t` for weight shape `key`."""
+    return dataclasses.replace(config, tuned=MappingProxyType({**config.tuned, key: t}))
 
 
-def serial_profile(size: str, workdir: Path) -> dict:
+def serial_profile(size: str, workdir: Path, config: KernelConfig) -> dict:
     """`profile_step` of the fused step with overlapped launches off: on, each kernel is launched
     while the previous one runs and its measured time would include its wait for it. Not compiled:
     the fused step runs no torch.compile'd code."""
-    with kernel_settings(OVERLAP=False):
-        tts = fused_engine(size, workdir, 1)
-        return profile_step(tts)
+    return profile_step(fused_engine(size, workdir, 1, dataclasses.replace(config, overlap=False)))
 
 
 BEFORE_SWEEP = "kernel per stage, the tiles before this run's sweep"
 ALL_ROWS_LABEL = "kernel per stage, every frame over all 16 rows (row blocks off)"
-# (label, pipeline.kernels.decode settings, the code predictor in one persistent kernel)
+# (label, KernelConfig fields changed from the GPU's configuration)
 ABLATION = (
-    ("kernel per stage, overlapped launches off, prefetch off", dict(OVERLAP=False, L2_PREFETCH_BYTES=0), False),
-    ("kernel per stage, overlapped launches on, prefetch off", dict(L2_PREFETCH_BYTES=0), False),
-    ("kernel per stage, overlapped launches on, prefetch on (the default)", {}, False),
-    ("persistent code predictor (the talker's kernels as the default's)", {}, True),
+    ("kernel per stage, overlapped launches off, prefetch off", dict(overlap=False, l2_prefetch_bytes=0)),
+    ("kernel per stage, overlapped launches on, prefetch off", dict(l2_prefetch_bytes=0)),
+    ("kernel per stage, overlapped launches on, prefetch on (the default)", {}),
+    ("persistent code predictor (the talker's kernels as the default's)", dict(persistent=True)),
 )
 
 
-def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, repeats: int = 1) -> dict:
+def launch_ablation(size: str, workdir: Path, frames: int, config: KernelConfig, variants=ABLATION, repeats: int = 1) -> dict:
     """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
     weights' L2 prefetch off and on (and the prefetch alone off), and with the code predictor in one
     persistent kernel; kernels per frame; for both code-predictor paths the 16-row engine at 1 / 8 /
@@ -175,31 +163,30 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, re
     two variants is only real where their runs do not overlap); the table shows the median."""
     result: dict = {"rows_1": {}, "kernels": {}, "rows_16": {}}
     outputs = {}
-    for label, settings, persistent in variants:
-        with kernel_settings(**settings), kernel_settings(code_predictor, PERSISTENT=persistent):
-            tts = fused_engine(size, workdir, 1)
-            result["rows_1"][label] = step_ms(tts, 1)
-            result["kernels"][label] = kernels_per_frame(tts)
-            if not settings:
-                outputs[persistent] = codes_and_audio(tts, False, frames)
+    for label, settings in variants:
+        variant = dataclasses.replace(config, **settings)
+        persistent = variant.persistent
+        tts = fused_engine(size, workdir, 1, variant)
+        result["rows_1"][label] = step_ms(tts, 1)
+        result["kernels"][label] = kernels_per_frame(tts)
+        if set(settings) <= {"persistent"}:
+            outputs[persistent] = codes_and_audio(tts, False, frames)
+            del tts
+            tts = fused_engine(size, workdir, 16, variant)
+            result["rows_16"]["persistent code predictor" if persistent else "kernel per stage (row blocks, the default)"] = occupied_step_ms(tts)
+            if not persistent:
+                outputs["16 rows"] = codes_and_audio(tts, False, frames)
                 del tts
-                tts = fused_engine(size, workdir, 16)
-                result["rows_16"]["persistent code predictor" if persistent else "kernel per stage (row blocks, the default)"] = occupied_step_ms(tts)
-                if not persistent:
-                    outputs["16 rows"] = codes_and_audio(tts, False, frames)
-                    del tts
-                    with kernel_settings(decoder_module, ROW_BLOCKS=False):
-                        tts = fused_engine(size, workdir, 16)
-                    result["rows_16"][ALL_ROWS_LABEL] = occupied_step_ms(tts)
-                    outputs["16 rows, all rows"] = codes_and_audio(tts, False, frames)
+                tts = fused_engine(size, workdir, 16, dataclasses.replace(variant, row_blocks=False))
+                result["rows_16"][ALL_ROWS_LABEL] = occupied_step_ms(tts)
+                outputs["16 rows, all rows"] = codes_and_audio(tts, False, frames)
         print(size, label, result["rows_1"][label], result["kernels"][label], flush=True)
         del tts
         torch.cuda.empty_cache()
     result["rows_1_runs"] = {label: [ms] for label, ms in result["rows_1"].items()}
     for _ in range(repeats - 1):
-        for label, settings, persistent in variants:
-            with kernel_settings(**settings), kernel_settings(code_predictor, PERSISTENT=persistent):
-                result["rows_1_runs"][label].append(one_row_step_ms(size, workdir))
+        for label, settings in variants:
+            result["rows_1_runs"][label].append(one_row_step_ms(size, workdir, dataclasses.replace(config, **settings)))
     result["rows_1"] = {label: statistics.median(runs) for label, runs in result["rows_1_runs"].items()}
     result["bf16_persistent_against_per_stage"] = nearness(outputs[False], outputs[True])
     result["bf16_16_rows_against_one_row"] = {
@@ -210,7 +197,7 @@ def launch_ablation(size: str, workdir: Path, frames: int, variants=ABLATION, re
 SAMPLING_CASES = ((2048, 1, 50, 1.0), (2048, 1, 0, 1.0), (2048, 16, 50, 1.0), (3072, 1, 50, 1.0), (3072, 1, 0, 1.0), (2048, 1, 50, 0.8))
 
 
-def sampling_us(draws: int = 8) -> dict[str, float]:
+def sampling_us(config: KernelConfig, draws: int = 8) -> dict[str, float]:
     """The fused sampling kernel alone (CUDA graph), temperature 0.9, per vocabulary (the code
     predictor's 2,048, the talker's 3,072), rows, top-k (50, or 0: off, no search) and top-p: the
     median over `draws` logit draws (how soon the top-k search stops depends on the logits)."""
@@ -227,7 +214,7 @@ def sampling_us(draws: int = 8) -> dict[str, float]:
         for seed in range(draws):
             # bf16-rounded, as the heads' logits are
             logits = (3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))).bfloat16().float().cuda()
-            times.append(graph_us(lambda: fused_sample(logits, settings, noise)))
+            times.append(graph_us(lambda: fused_sample(logits, settings, noise, config)))
         result[f"vocabulary {vocab}, {rows} rows, top-k {top_k}, top-p {top_p}"] = statistics.median(times)
     return result
 
@@ -260,7 +247,7 @@ def nearness(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray])
     }
 
 
-def bench_size(size: str, workdir: Path, frames: int, variants: tuple[str, ...]) -> dict:
+def bench_size(size: str, workdir: Path, frames: int, variants: tuple[str, ...], config: KernelConfig) -> dict:
     """Step timings of each variant ("unfused", "fused": compiled, CUDA graphs) and the nearness of
     their bf16 codes; "unfused eager" (not compiled: other kernels, other rounding order) gives the
     spread that any change of kernels causes, against which the fused step's is read."""
@@ -268,13 +255,13 @@ def bench_size(size: str, workdir: Path, frames: int, variants: tuple[str, ...])
     outputs: dict = {}
     for name in variants:
         fused, compiled = name == "fused", name != "unfused eager"
-        tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, compiled=compiled, fused=fused)
+        tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=1, compiled=compiled, fused=fused, kernels=config)
         outputs[name] = {greedy: codes_and_audio(tts, greedy, frames) for greedy in (True, False)}
         if compiled:
             result[f"{name}_rows_1"] = step_ms(tts, 1)
-            result[f"{name}_profile_rows_1"] = profile_step(tts) if not fused else serial_profile(size, workdir)
+            result[f"{name}_profile_rows_1"] = profile_step(tts) if not fused else serial_profile(size, workdir, config)
             del tts
-            tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, compiled=True, fused=fused)
+            tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=16, compiled=True, fused=fused, kernels=config)
             result[f"{name}_rows_16"] = occupied_step_ms(tts)
             print(size, name, result[f"{name}_rows_1"], result[f"{name}_rows_16"], flush=True)
         del tts
@@ -374,7 +361,7 @@ def ablation_markdown(report: dict) -> str:
 
 
 def weight_shape(text: str) -> tuple[str, int, int]:
-    """`--shapes`' KIND,N,K (a key of pipeline.kernels.decode.TUNED)."""
+    """`--shapes`' KIND,N,K (a key of `KernelConfig.tuned`)."""
     kind, n, k = text.split(",") if text.count(",") == 2 else ("", "", "")
     if kind not in ("qkv", "linear0", "linear1", "linear2") or not (n.isdigit() and k.isdigit()):
         raise argparse.ArgumentTypeError(f"{text!r} is not KIND,N,K with KIND one of qkv, linear0, linear1, linear2 (e.g. linear2,6144,2048)")
@@ -413,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         report = {**report_header("pipeline.bench_kernels", argv), "attention_us": attention_alone()}
         write_report(args.out, "attention", report, attention_markdown(report))
         return 0
+    config = KernelConfig.for_device(torch.device("cuda"))
     if args.sampling:
-        report = {**report_header("pipeline.bench_kernels", argv), "sampling_us": sampling_us()}
+        report = {**report_header("pipeline.bench_kernels", argv), "sampling_us": sampling_us(config)}
         write_report(args.out, "sampling", report, sampling_markdown(report))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -422,26 +410,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             report = {**report_header("pipeline.bench_kernels", argv), "timeline": {}, "profile": {}}
             for size in args.sizes:
-                report["timeline"][size] = frame_shares(size, workdir)
-                report["profile"][size] = serial_profile(size, workdir)
+                report["timeline"][size] = frame_shares(size, workdir, config)
+                report["profile"][size] = serial_profile(size, workdir, config)
             write_report(args.out, "profile-" + "-".join(args.sizes), report, profile_markdown(report))
             return 0
         if args.step_sweep:
             report = {**report_header("pipeline.bench_kernels", argv), "step_sweep": {}}
             for size in args.sizes:
-                report["step_sweep"][size] = step_sweep(size, workdir, args.shapes)
+                report["step_sweep"][size], config = step_sweep(size, workdir, config, args.shapes)
                 write_report(args.out, "step-sweep-" + "-".join(args.sizes), report, step_sweep_markdown(report))
             return 0
-        before_sweep = dict(kernels.TUNED)
-        swept = sweep(args.sizes) if args.sweep else {}
+        before_sweep = config
+        swept, config = sweep(args.sizes, config) if args.sweep else ({}, config)
         if args.ablation:
-            report = {**report_header("pipeline.bench_kernels", argv), "sweep": swept, "sampling_us": sampling_us(), "ablation": {}, "profile": {}}
+            report = {**report_header("pipeline.bench_kernels", argv), "sweep": swept, "sampling_us": sampling_us(config), "ablation": {},
+                      "profile": {}}
             variants = ABLATION
-            if args.sweep:  # the step with the tiles it started with, against the sweep's
-                variants = ((BEFORE_SWEEP, dict(TUNED=before_sweep), False), *ABLATION)
+            if args.sweep:  # the step with the tiles and attention it started with, against the sweep's
+                variants = ((BEFORE_SWEEP, {f.name: getattr(before_sweep, f.name) for f in dataclasses.fields(KernelConfig)}), *ABLATION)
             for size in args.sizes:
-                report["ablation"][size] = launch_ablation(size, workdir, args.frames, variants, args.repeats)
-                report["profile"][size] = serial_profile(size, workdir)
+                report["ablation"][size] = launch_ablation(size, workdir, args.frames, config, variants, args.repeats)
+                report["profile"][size] = serial_profile(size, workdir, config)
                 write_report(args.out, "ablation-" + "-".join(args.sizes), report, ablation_markdown(report))
             return 0
         report = {
@@ -451,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             "sizes": {},
         }
         for size in args.sizes:
-            report["sizes"][size] = bench_size(size, workdir, args.frames, tuple(args.variants))
+            report["sizes"][size] = bench_size(size, workdir, args.frames, tuple(args.variants), config)
             write_report(args.out, "kernels-" + "-".join(args.sizes), report, markdown(report))
     return 0
 
@@ -504,37 +493,41 @@ def step_tile_alternatives(kind: str, k: int, current: Tiles) -> list[Tiles]:
     return unique
 
 
-def step_sweep(size: str, workdir: Path, shapes: set[tuple[str, int, int]] | None = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class RecordingConfig(KernelConfig):
+    """A KernelConfig that notes every weight shape whose tiles are asked for."""
+
+    asked: set = dataclasses.field(default_factory=set, hash=False, compare=False)
+
+    def tiles(self, kind: str, n: int, k: int, dtype: torch.dtype) -> Tiles:
+        self.asked.add((kind, n, k))
+        return super().tiles(kind, n, k, dtype)
+
+
+def step_sweep(size: str, workdir: Path, config: KernelConfig, shapes: set[tuple[str, int, int]] | None = None) -> tuple[dict, KernelConfig]:
     """Greedy tuning of the tiles in the decode step of `size` (engine of 1 row, bf16): for each weight
     shape the step launches (of `shapes` only, if given), in STEP_SWEEP_ORDER, every `step_tile_alternatives` tile timed in the
     whole step (an engine built anew for each), the fastest kept where it beats the best so far by
-    STEP_SWEEP_GAIN; the tiles kept stay in pipeline.kernels.decode.TUNED for the rest of the run.
-    Returns the step's ms before and after, the tiles kept and every timing."""
-    used: set[tuple[str, int, int]] = set()
-    pick = kernels.tiles
-
-    def recording(kind: str, n: int, k: int, dtype: torch.dtype) -> Tiles:
-        used.add((kind, n, k))
-        return pick(kind, n, k, dtype)
-
-    with kernel_settings(tiles=recording):
-        base = one_row_step_ms(size, workdir)
+    STEP_SWEEP_GAIN. Returns the step's ms before and after, the tiles kept and every timing, and
+    `config` with the tiles kept (for the rest of the run)."""
+    recording = RecordingConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(KernelConfig)})
+    base = one_row_step_ms(size, workdir, recording)
+    used = recording.asked
     best, kept, log = base, {}, []
     for key in sorted(used if shapes is None else used & shapes, key=lambda key: (STEP_SWEEP_ORDER.get(key[0], len(STEP_SWEEP_ORDER)), -key[2])):
         kind, n, k = key
-        current = pick(kind, n, k, torch.bfloat16)
+        current = config.tiles(kind, n, k, torch.bfloat16)
         winner = current
         for alternative in step_tile_alternatives(kind, k, current):
-            kernels.TUNED[key] = alternative
-            ms = one_row_step_ms(size, workdir)
+            ms = one_row_step_ms(size, workdir, with_tiles(config, key, alternative))
             log.append({"shape": list(key), "tiles": dataclasses.asdict(alternative), "ms": ms})
             print(size, key, alternative, f"{ms:.4f}", flush=True)
             if ms < best * (1 - STEP_SWEEP_GAIN):
                 best, winner = ms, alternative
-        kernels.TUNED[key] = winner
+        config = with_tiles(config, key, winner)
         if winner != current:
             kept[",".join(map(str, key))] = {"before": dataclasses.asdict(current), "after": dataclasses.asdict(winner), "ms": best}
-    return {"base_ms": base, "final_ms": one_row_step_ms(size, workdir), "kept": kept, "log": log}
+    return {"base_ms": base, "final_ms": one_row_step_ms(size, workdir, config), "kept": kept, "log": log}, config
 
 
 def step_sweep_markdown(report: dict) -> str:
@@ -602,26 +595,24 @@ ATTENTION_VARIANTS = {"one program per head": (0, 0, 0, 0),
                          for c, w, whole, parts in ((256, 8, 256, 2), (256, 8, 256, 4), (256, 8, 256, 8), (256, 8, 512, 8), (128, 4, 256, 4))}}
 
 
-def attention_sweep(attn, q, positions, out, workspace, hidden: int, counts=(200, 1000), adopt: bool = True) -> dict:
+def attention_sweep(attn, q, positions, out, workspace, hidden: int, config: KernelConfig, counts=(200, 1000)) -> tuple[dict, KernelConfig]:
     """The talker's attention (a cache of TALKER_CACHE positions) at `counts` positions: one program
-    per head against the cache split in chunks (ATTENTION_VARIANTS); with `adopt`, the variant whose
-    slowest length is the fastest is used for the rest of the run. (A code-predictor step, 16
-    positions, is one block either way.)"""
+    per head against the cache split in chunks (ATTENTION_VARIANTS). Returns the times and `config`
+    with the variant whose slowest length is the fastest. (A code-predictor step, 16 positions, is
+    one block either way.)"""
     report, timed = {}, {}
     for count in counts:
         positions.fill_(count - 1)
         for name, (chunk, warps, whole, parts) in ATTENTION_VARIANTS.items():
-            us = graph_us(lambda: kernels.attention(attn, q, positions, 1, out, workspace, chunk=chunk, num_warps=warps or None, parts=parts,
-                                                    whole=whole))
+            us = graph_us(lambda: kernels.attention(attn, q, positions, 1, out, workspace, config, chunk=chunk, num_warps=warps or None,
+                                                    parts=parts, whole=whole))
             timed.setdefault(name, []).append(us)
             report[f"attention hidden {hidden}, {count} positions, {name}"] = us
             print("attention", count, name, f"{us:.2f} us", flush=True)
-    if adopt:
-        best = min(timed, key=lambda name: max(timed[name]))  # the best worst case: a long utterance must not slow down
-        chunk, warps, whole, parts = ATTENTION_VARIANTS[best]
-        kernels.ATTENTION_CHUNKS[TALKER_CACHE] = (chunk, warps)
-        kernels.ATTENTION_WHOLE, kernels.ATTENTION_PARTS = whole, parts or 1
-    return report
+    best = min(timed, key=lambda name: max(timed[name]))  # the best worst case: a long utterance must not slow down
+    chunk, warps, whole, parts = ATTENTION_VARIANTS[best]
+    chunks = MappingProxyType({**config.attention_chunks, TALKER_CACHE: (chunk, warps)})
+    return report, dataclasses.replace(config, attention_chunks=chunks, attention_whole=whole, attention_parts=parts or 1)
 
 
 ATTENTION_COUNTS = (50, 150, 256, 300, 1000, 2000)
@@ -630,7 +621,7 @@ ATTENTION_COUNTS = (50, 150, 256, 300, 1000, 2000)
 @torch.inference_mode()
 def attention_alone(rows: int = 1) -> dict:
     """`attention_sweep` of a talker layer's attention (16 query heads, 8 key/value heads of 128: both
-    sizes' shapes) at ATTENTION_COUNTS positions, nothing adopted."""
+    sizes' shapes) at ATTENTION_COUNTS positions, on the GPU's configuration."""
     from pipeline.model import Attention, KVCache
 
     with torch.device("cuda"):
@@ -641,7 +632,7 @@ def attention_alone(rows: int = 1) -> dict:
         q = torch.randn(rows, 16, 128, dtype=torch.bfloat16)
         out = torch.empty(rows, 16 * 128, dtype=torch.bfloat16)
         positions = torch.zeros(rows, dtype=torch.long)
-    return attention_sweep(attn, q, positions, out, kernels.Workspace(), 1024, ATTENTION_COUNTS, adopt=False)
+    return attention_sweep(attn, q, positions, out, kernels.Workspace(), 1024, KernelConfig.for_device(torch.device("cuda")), ATTENTION_COUNTS)[0]
 
 
 def attention_markdown(report: dict) -> str:
@@ -654,12 +645,12 @@ def attention_markdown(report: dict) -> str:
 
 
 @torch.inference_mode()
-def sweep(sizes: list[str], rows: int = 1) -> dict:
+def sweep(sizes: list[str], config: KernelConfig, rows: int = 1) -> tuple[dict, KernelConfig]:
     """The fastest tiles of each matmul kernel at each layer shape of the `sizes`' talkers and of the
     code predictor (hidden 1,024 at every size), bf16, `rows` rows, each launch reading its weight
     from HBM (a chain of launches over copies of the weight, COLD_BYTES in all, each asking the next
-    copy into L2 as the step asks for the next weight); applied to pipeline.kernels.decode.TUNED for
-    the rest of the run. Then the talker's attention variants."""
+    copy into L2 as the step asks for the next weight). Then the talker's attention variants. Returns
+    the times and `config` with the fastest tiles and attention (for the rest of the run)."""
     from pipeline.model import DecoderLayer, KVCache
 
     workspace = kernels.Workspace()
@@ -685,30 +676,32 @@ def sweep(sizes: list[str], rows: int = 1) -> dict:
             return lambda t: [launch(layer, t, weight(layers[(i + 1) % copies])) for i, layer in enumerate(layers)]
 
         shapes = {
-            ("qkv", 4096, hidden): (q, chain(lambda layer, t, f: kernels.qkv_rope(layer, h, positions, 1, cos, sin, q, workspace, t, following=f),
+            ("qkv", 4096, hidden): (q, chain(lambda layer, t, f: kernels.qkv_rope(layer, h, positions, 1, cos, sin, q, workspace, config, t,
+                                                                               following=f),
                                               lambda layer: layer.self_attn.qkv_proj.weight)),
-            ("linear1", hidden, 2048): (out, chain(lambda layer, t, f: kernels.linear(attended, layer.self_attn.o_proj.weight, out, workspace, mode=1,
+            ("linear1", hidden, 2048): (out, chain(lambda layer, t, f: kernels.linear(attended, layer.self_attn.o_proj.weight, out, workspace, config, mode=1,
                                                                                       residual=h, shape=t, following=f),
                                                    lambda layer: layer.self_attn.o_proj.weight)),
-            ("linear2", intermediate, hidden): (gated, chain(lambda layer, t, f: kernels.linear(h, layer.mlp.gate_up_proj.weight, gated, workspace,
+            ("linear2", intermediate, hidden): (gated, chain(lambda layer, t, f: kernels.linear(h, layer.mlp.gate_up_proj.weight, gated, workspace, config,
                                                                                                 norm=layer.post_attention_layernorm, mode=2, shape=t,
                                                                                                 following=f),
                                                              lambda layer: layer.mlp.gate_up_proj.weight)),
-            ("linear1", hidden, intermediate): (out, chain(lambda layer, t, f: kernels.linear(gated, layer.mlp.down_proj.weight, out, workspace,
+            ("linear1", hidden, intermediate): (out, chain(lambda layer, t, f: kernels.linear(gated, layer.mlp.down_proj.weight, out, workspace, config,
                                                                                               mode=1, residual=h, shape=t, following=f),
                                                            lambda layer: layer.mlp.down_proj.weight)),
         }
         for key, (output, run) in shapes.items():
-            previous = kernels.tiles(*key, torch.bfloat16)
+            previous = config.tiles(*key, torch.bfloat16)
             candidates = list(dict.fromkeys([previous, *sweep_candidates(key[0], key[2])]))
             best, us, timed = best_tiles(candidates, run, output, copies)
-            kernels.TUNED[key] = best
+            config = with_tiles(config, key, best)
             report[str(key)] = {"best": str(best), "us": us, "previous": str(previous), "previous_us": timed.get(str(previous)), "all": timed}
             print(key, best, f"{us:.2f} us (previous tile {previous}: {timed.get(str(previous))})", flush=True)
-        report.update(attention_sweep(layers[0].self_attn, q, positions, attended, workspace, hidden))
-        del layers
+        times, config = attention_sweep(layers[0].self_attn, q, positions, attended, workspace, hidden, config)
+        report.update(times)
+        layers.clear()  # the copies' memory back before the next size's (the launches above hold the list)
         torch.cuda.empty_cache()
-    return report
+    return report, config
 
 
 if __name__ == "__main__":

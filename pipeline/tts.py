@@ -17,6 +17,7 @@ from pipeline import voice_file
 from pipeline.codec import SpeechTokenizer
 from pipeline.engine import BatchDecoder, Engine, Handle, Job, SamplingConfig, Segment
 from pipeline.errors import TTSInputError
+from pipeline.kernels.config import KernelConfig
 from pipeline.loading import load_model, load_text_tokenizer, read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.model import Qwen3TTS
 from pipeline.prompt import ICLReference, Prompt, assistant_text, build_prompt, instruct_text, reference_text
@@ -68,6 +69,7 @@ class TTS:
         max_queue: int = 64,
         vocoder_lanes: int | None = None,
         fused: bool | None = None,
+        kernels: KernelConfig | None = None,
     ):
         self.model = model
         self.config = model.config
@@ -81,7 +83,7 @@ class TTS:
         self.rows = rows or DEFAULT_ROWS.get(self.device.type, 4)
         with torch.inference_mode():
             tts_pad = model.talker.embed_text(torch.tensor([[self.config.tts_pad_token_id]], device=self.device))[0, 0]
-            decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled, fused=fused)
+            decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled, fused=fused, kernels=kernels)
             lanes = vocoder_lanes or VOCODER_LANES.get(self.device.type, 1)
             vocoder = speech_tokenizer.multi_stream_decoder(self.rows, use_cuda_graphs, lanes)
             self.engine = Engine(decoder, vocoder, max_queue=max_queue)

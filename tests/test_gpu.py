@@ -20,10 +20,10 @@ def workdir():
         yield Path(tmp)
 
 
-def engine(workdir, graphs: bool, dtype=torch.bfloat16):
+def engine(workdir, graphs: bool, dtype=torch.bfloat16, kernels=None):
     from pipeline.bench import random_tts
 
-    tts = random_tts("0.6B", "custom_voice", "cuda", dtype, workdir, rows=8, use_cuda_graphs=graphs)
+    tts = random_tts("0.6B", "custom_voice", "cuda", dtype, workdir, rows=8, use_cuda_graphs=graphs, kernels=kernels)
     if graphs:
         tts.warm_up()
     return tts
@@ -68,16 +68,18 @@ def test_same_seed_same_audio_alone_and_in_a_batch_of_8(graphed):
             list(h)
 
 
-def test_row_blocks_give_the_audio_of_all_rows_alone_and_as_neighbours_come_and_go(workdir, graphed, monkeypatch):
+def test_row_blocks_give_the_audio_of_all_rows_alone_and_as_neighbours_come_and_go(workdir, graphed):
     """Row blocks (the default: each frame over the first rows that hold every occupied one, a graph
     per block): the codes and audio of the engine that runs all 8 rows every frame, alone (a block
     of 1) and while three neighbours join and leave (the block grows to 4 and shrinks back under
     the request)."""
-    import pipeline.engine.decoder as decoder_module
+    import dataclasses
+
+    from pipeline.kernels.config import KernelConfig
 
     assert graphed.engine.decoder.block_sizes == [1, 2, 4, 8]
-    monkeypatch.setattr(decoder_module, "ROW_BLOCKS", False)
-    expected = engine(workdir, graphs=True).synthesize(request(1234))
+    every_row = dataclasses.replace(KernelConfig.for_device(torch.device("cuda")), row_blocks=False)
+    expected = engine(workdir, graphs=True, kernels=every_row).synthesize(request(1234))
     alone = graphed.synthesize(request(1234))
     np.testing.assert_array_equal(alone.codes, expected.codes)
     np.testing.assert_array_equal(alone.audio, expected.audio)

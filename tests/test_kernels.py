@@ -3,6 +3,7 @@ float32, run by Triton's interpreter on CPU (TRITON_INTERPRET=1, set in conftest
 GPU on CUDA: the same hidden states, the same KV caches, a row's result independent of its
 neighbours, and the same codes from the engine's whole decode step."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import triton.language as tl  # noqa: E402
 
 from pipeline.engine.decoder import BatchDecoder  # noqa: E402
 from pipeline.kernels import fused_decode, fused_decode_logits, fused_supported  # noqa: E402
+from pipeline.kernels.config import KernelConfig  # noqa: E402
 from pipeline.kernels.sampling import _exponential_noise  # noqa: E402
 from pipeline.model import Transformer  # noqa: E402
 from pipeline.request import SpeechRequest  # noqa: E402
@@ -20,6 +22,7 @@ from pipeline.tts import TTS  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS, MAX_SEQ = 3, 160
+CONFIG = KernelConfig.for_device(torch.device(DEVICE))  # the kernels' tiles and launch options on this device
 
 
 def random_stack(hidden: int, heads: int, kv_heads: int, head_dim: int) -> Transformer:
@@ -56,7 +59,7 @@ def test_fused_decode_equals_the_module_decode(shape):
     positions = torch.stack((starts, starts + 1), dim=1)
     for step in range(6):
         x = torch.randn(ROWS, positions.shape[1], shape["hidden"], generator=generator).to(DEVICE)
-        expected, got = model.decode(x, positions), fused_decode(fused, x, positions)
+        expected, got = model.decode(x, positions), fused_decode(fused, x, positions, CONFIG)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         positions = positions[:, -1:] + 1
     torch.testing.assert_close(caches(fused), caches(model), rtol=1e-5, atol=1e-5)
@@ -80,7 +83,7 @@ def test_fused_logits_equal_the_modules_norm_and_head(dtype):
         state = model.decode(x, positions)[:, -1]
         expected = torch.nn.functional.linear(state, head).float()
         normed = torch.full_like(state, float("nan"))
-        got = fused_decode_logits(fused, x, positions, head, normed=normed)
+        got = fused_decode_logits(fused, x, positions, head, CONFIG, normed=normed)
         assert got.dtype == torch.float32 and got.shape == (ROWS, 40)
         assert torch.equal(got, got.to(dtype).float())
         tolerance = 1e-5 if dtype == torch.float32 else 0.05
@@ -95,10 +98,10 @@ def test_a_rows_result_does_not_depend_on_its_neighbours():
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(ROWS, 1, 64, generator=generator).to(DEVICE)
     positions = torch.tensor([[3], [7], [0]], device=DEVICE)
-    alone = fused_decode(model, x, positions)[1].clone()
+    alone = fused_decode(model, x, positions, CONFIG)[1].clone()
     neighbours = x.clone()
     neighbours[[0, 2]] = torch.randn(2, 1, 64, generator=generator).to(DEVICE) * 5
-    assert torch.equal(fused_decode(model, neighbours, positions)[1], alone)
+    assert torch.equal(fused_decode(model, neighbours, positions, CONFIG)[1], alone)
 
 
 def test_stacks_with_other_mlps_keep_the_unfused_step():
@@ -136,21 +139,19 @@ HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
 @pytest.mark.skipif(not HOPPER, reason="overlapped launches (programmatic dependent launch) need compute capability 9.0")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_overlapped_launches_in_a_cuda_graph_give_the_same_bits(monkeypatch, dtype):
+def test_overlapped_launches_in_a_cuda_graph_give_the_same_bits(dtype):
     """Each kernel launched while the previous one runs (pulling its weights into L2, then waiting
     for the previous kernel's results) computes exactly what it computes launched after it: the
     same hidden states and caches, bit for bit, over steps replayed from one CUDA graph."""
-    import pipeline.kernels.decode as kernels
-
     def replayed(overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        monkeypatch.setattr(kernels, "OVERLAP", overlap)
+        config = dataclasses.replace(CONFIG, overlap=overlap)
         model = random_stack(256, 4, 2, 64).to(dtype)
         x = torch.zeros(ROWS, 1, 256, device=DEVICE, dtype=dtype)
         positions = torch.zeros(ROWS, 1, dtype=torch.long, device=DEVICE)
-        fused_decode(model, x, positions)  # compiles the kernels outside the capture
+        fused_decode(model, x, positions, config)  # compiles the kernels outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused_decode(model, x, positions)
+            out = fused_decode(model, x, positions, config)
         generator = torch.Generator().manual_seed(6)
         outputs = []
         for step in range(4):
@@ -160,172 +161,27 @@ def test_overlapped_launches_in_a_cuda_graph_give_the_same_bits(monkeypatch, dty
             outputs.append(out.clone())
         return torch.stack(outputs), caches(model)
 
-    assert kernels.overlapped(torch.device(DEVICE))
+    assert CONFIG.overlap
     (hidden, kv), (serial_hidden, serial_kv) = replayed(True), replayed(False)
     assert torch.equal(hidden, serial_hidden) and torch.equal(kv, serial_kv)
     assert hidden.abs().sum() > 0
-
-
-SM90_COMPILE = """
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
-
-def compiled(fn, types, constants, num_warps=4, num_stages=3):
-    \"\"\"`fn` compiled for sm_90; arguments typed by `types` (the rest constexpr), pointers 16-byte aligned as torch's tensors are.\"\"\"
-    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
-    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
-    return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
-"""
-
-HOPPER_PTX = SM90_COMPILE + """
-import json, re, sys
-import pipeline.kernels.decode as kernels
-from pipeline.kernels.sampling import _code_kernel, _next_token_kernel, _sample_kernel
-
-def ptx(fn, types, constants):
-    return compiled(fn, types, constants).asm["ptx"]
-
-on = sys.argv[1] == "on"
-pointers = dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "res_ptr", "out_ptr", "next_ptr"], "*bf16")
-linear = ptx(kernels._linear_kernel, {**pointers, "stride_x": "i32", "partial_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "eps": "fp32",
-                                      "next_size": "i32"},
-             dict(N=3072, K=1024, HAS_NORM=True, STORE_NORMED=False, MODE=2, IEEE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
-                  OVERLAP=on, NEXT_LINES=8 if on else 0, LINE=64))
-split_linear = ptx(kernels._linear_kernel, {**pointers, "stride_x": "i32", "partial_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "eps": "fp32",
-                                            "next_size": "i32"},
-                   dict(N=1024, K=2048, HAS_NORM=False, STORE_NORMED=False, MODE=1, IEEE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=4,
-                        OVERLAP=on, NEXT_LINES=0, LINE=64))
-atomics = [line.split()[1] for line in split_linear.splitlines() if " atom." in line]
-settings = {"do_sample_ptr": "*i1", "temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seed_ptr": "*i64",
-            "frame_ptr": "*i64", "draws_per_frame": "i32", "V": "i32", "H": "i32", "logits_ptr": "*fp32"}
-code = ptx(_code_kernel, {**settings, "first_draw": "i32", "codes_ptr": "*i64", "column": "i32", "tables_ptr": "*bf16",
-                          "table_start_ptr": "*i64", "next_ptr": "*bf16", "token_ptr": "*i64", "text_ptr": "*bf16", "text_len_ptr": "*i64",
-                          "pad_ptr": "*bf16", "max_seq": "i32"}, dict(CODES=16, LAST=True, BLOCK=2048, BLOCK_H=256, C=8, OVERLAP=on))
-token = ptx(_next_token_kernel, {**settings, **dict.fromkeys(["active_ptr", "text_end_ptr", "produced_ptr", "seen_ptr", "suppressed_ptr"], "*i1"),
-                                 **dict.fromkeys(["token_ptr", "max_frame_ptr", "text_len_ptr", "pos_ptr"], "*i64"), "penalty_ptr": "*fp32",
-                                 "eos": "i32", "min_new_tokens": "i32", "normed_ptr": "*bf16", "state_ptr": "*bf16", "table_ptr": "*bf16"},
-            dict(BLOCK=4096, BLOCK_H=1024, C=8, OVERLAP=on))
-sample = ptx(_sample_kernel, {"logits_ptr": "*fp32", "noise_ptr": "*fp32", "do_sample_ptr": "*i1", "temperature_ptr": "*fp32",
-                              "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "out_ptr": "*i64", "V": "i32", "stride_logits": "i32",
-                              "stride_noise": "i32"}, dict(BLOCK=2048, C=8, OVERLAP=on))
-from pipeline.kernels.code_predictor import _code_predictor_kernel as persistent
-types = {name: "*bf16" for name in persistent.arg_names if name.endswith("_ptr")}
-types.update(dict.fromkeys(["logits_ptr", "partial_ptr", "temperature_ptr", "top_p_ptr"], "*fp32"), do_sample_ptr="*i1",
-             **dict.fromkeys(["lock_ptr", "barrier_ptr"], "*i32"),
-             **dict.fromkeys(["pos_ptr", "top_k_ptr", "seed_ptr", "frame_ptr", "codes_ptr", "table_start_ptr", "token_ptr", "text_len_ptr"], "*i64"),
-             **dict.fromkeys(["draws_per_frame", "first_draw", "max_seq", "rows", "cache_layer", "cache_row", "cache_head", "cache_pos"], "i32"),
-             **dict.fromkeys(["eps", "head_eps", "final_eps", "scale"], "fp32"))
-code_predictor = ptx(persistent, types, dict(
-    E=2048, H=1024, I=3072, HEADS=16, KV_HEADS=8, HEAD_DIM=128, LAYERS=5, STEPS=15, V=2048, CODES=16, PROJECT=True, IEEE=False, BLOCK_M=16,
-    BLOCK_S=16, BLOCK=2048, BLOCK_E=1024, BLOCK_T=256, C=8, P_BN=16, P_BK=256, P_SPLIT=1, QKV_BK=128, QKV_SPLIT=4, O_BN=32, O_BK=128, O_SPLIT=4,
-    GU_BN=32, GU_BK=256, GU_SPLIT=1, D_BN=32, D_BK=128, D_SPLIT=8, HD_BN=16, HD_BK=256, HD_SPLIT=1, GRID_SYNC=True, OVERLAP=on))
-barrier = {"arrive": re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", code_predictor) is not None,
-           "wait": re.search(r"(ld|atom)[.][.a-z]*acquire", code_predictor) is not None}
-barrier["attention"] = True
-for groups, parts in ((1, 1), (4, 1), (4, 4)):  # the default, and the value columns in 4 groups over 1 or 4 programs
-    split = ptx(kernels._attention_split_kernel, {**dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16"),
-                                                  "stats_ptr": "*fp32", "partial_ptr": "*fp32", "pos_ptr": "*i64", "lock_ptr": "*i32",
-                                                  "arrival_ptr": "*i32", "L": "i32", "scale": "fp32", "cache_row": "i32", "cache_head": "i32"},
-                dict(HEADS=16, GROUP=2, HEAD_DIM=128, CHUNK=256, CHUNKS=8, CHUNKS_P2=8, WHOLE=256, GROUPS=groups, PARTS=parts, PASSES=3,
-                     OVERLAP=on))
-    barrier["attention"] &= (re.search(r"(red|atom)[.][.a-z]*release[.a-z]*[.]add", split) is not None
-                             and re.search(r"(ld|atom)[.][.a-z]*acquire", split) is not None and "ld.global.cg" in split)
-print(json.dumps({**{name: {word: word in text for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")}
-                     for name, text in (("linear", linear), ("sample", sample), ("code", code), ("token", token),
-                                        ("code_predictor", code_predictor))}, "barrier": barrier, "split_k_atomics": atomics}))
-"""
-
-
-@pytest.mark.parametrize("on", [True, False])
-def test_the_kernels_compile_for_hopper_with_overlapped_launches_and_the_l2_prefetch(on):
-    """The GPU-only parts, which Triton's interpreter never runs, compiled for sm_90 here (Triton
-    ships ptxas; in a process without TRITON_INTERPRET): a matmul kernel waits for the previous
-    kernel and releases the next (griddepcontrol) and asks L2 for the next weights
-    (prefetch.global.L2); the sampling kernels (the plain one, the code predictor's draw and the
-    talker's end of frame) wait and release; with both off, none of it. The persistent code
-    predictor too, and its grid barrier in either case; and the split attention's wait inside one
-    launch (its chunks' statistics released, acquired, then read past L1)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", HOPPER_PTX, "on" if on else "off"], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found["linear"] == dict.fromkeys(("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2"), on)
-    for name in ("sample", "code", "token"):
-        assert found[name] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
-    # the persistent code predictor (the 1.7B's shapes), and its grid barrier (a release add to
-    # arrive, acquiring atomics to wait), which the interpreter's one program skips
-    assert found["code_predictor"] == {"griddepcontrol.wait": on, "griddepcontrol.launch_dependents": on, "prefetch.global.L2": False}
-    assert found["barrier"] == {"arrive": True, "wait": True, "attention": True}
-    # split-K: the arrival releases the partial sums and acquires the others'; the counter's reset
-    # for the next launch orders nothing (an acq_rel exchange put a GPU-wide fence before every split
-    # tile's store: 0.12 ms of the 0.6B's frame on an H200)
-    assert found["split_k_atomics"] == ["atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.relaxed.exch.b32"]
-
-
-FLOAT32_CUBIN = SM90_COMPILE + """
-import json, re, subprocess, sys, tempfile
-from pathlib import Path
-import torch, triton
-import pipeline.kernels.decode as kernels
-
-tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-types = {**dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "next_ptr", "partial_ptr"], "*fp32"),
-         "lock_ptr": "*i32", "stride_x": "i32", "M": "i32", "eps": "fp32", "next_size": "i32"}
-found = {}
-for mode, n, k in json.loads(sys.argv[1]):
-    t = kernels.tiles(f"linear{mode}", n, k, torch.float32)
-    kernel = compiled(kernels._linear_kernel, types, dict(
-        N=n, K=k, HAS_NORM=mode != 1, STORE_NORMED=False, HAS_BIAS=False, MODE=mode, IEEE=True, BLOCK_M=16, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, SPLIT_K=t.split_k, OVERLAP=True, NEXT_LINES=0, LINE=32), t.num_warps, t.num_stages)
-    cubin = Path(tempfile.mkdtemp()) / "k.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-    found[f"{mode},{n},{k}"] = {"shared": kernel.metadata.shared, "stack": int(re.search(r"STACK:(\\d+)", usage).group(1))}
-print(json.dumps(found))
-"""
-
-
-def test_float32_tiles_fit_a_hopper_sm_without_spills():
-    """The float32 tiles (wide column blocks: float32 runs for parity, on the GPU too) compiled for
-    sm_90 at the real sizes' shapes: shared memory within an H100's / H200's 227 KB a block and no
-    register spills (a stack frame)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    shapes = [(0, 2048, 1024), (0, 3072, 2048), (1, 1024, 3072), (1, 2048, 6144), (2, 3072, 1024), (2, 6144, 2048)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", FLOAT32_CUBIN, json.dumps(shapes)], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(found) == len(shapes)
-    for shape, usage in found.items():
-        assert usage["shared"] <= 227 * 1024 and usage["stack"] == 0, (shape, usage)
 
 
 @pytest.mark.parametrize("rows, k, programs", [(4096, 1024, 128), (1024, 3072, 256), (6144, 1024, 96), (12288, 2048, 192), (2048, 6144, 256),
                                                 (40, 64, 1)])
 def test_the_next_weights_prefetch_covers_it_within_the_l2_budget(rows, k, programs):
     """What a matmul kernel asks into L2 for the next one: all of the next weight where it fits in
-    L2_PREFETCH_BYTES (the 0.6B's), its first L2_PREFETCH_BYTES where not (the 1.7B's 50 MB gate/up
+    the configuration's budget (the 0.6B's), its first budget's bytes where not (the 1.7B's 50 MB gate/up
     weight), in equal power-of-two shares of whole 128-byte lines over the kernel's programs (no
     more than twice what is needed); nothing off CUDA (Triton's interpreter has no prefetch)."""
-    from pipeline.kernels.decode import L2_PREFETCH_BYTES, _prefetch, prefetch_shares
+    from pipeline.kernels.decode import _prefetch, prefetch_shares
 
-    size, lines, line = prefetch_shares(rows * k, 2, programs)
+    budget = KernelConfig().l2_prefetch_bytes
+    size, lines, line = prefetch_shares(rows * k, 2, programs, budget)
     assert line == 64 and lines & (lines - 1) == 0
-    assert size == min(rows * k, L2_PREFETCH_BYTES // 2) and (lines // 2) * programs * line < size <= lines * programs * line
+    assert size == min(rows * k, budget // 2) and (lines // 2) * programs * line < size <= lines * programs * line
     on_cpu = torch.empty(rows, k, dtype=torch.bfloat16)
-    assert _prefetch(on_cpu, programs, on_cpu)["NEXT_LINES"] == 0 and _prefetch(None, programs, on_cpu)["NEXT_LINES"] == 0
+    assert _prefetch(CONFIG, on_cpu, programs, on_cpu)["NEXT_LINES"] == 0 and _prefetch(CONFIG, None, programs, on_cpu)["NEXT_LINES"] == 0
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
@@ -349,7 +205,7 @@ def test_split_k_equals_the_unsplit_kernel_and_repeats_exactly(mode, rows):
 
     def run(split_k: int) -> torch.Tensor:
         out = torch.empty(rows, n, device=DEVICE)
-        return linear(x, weight, out, workspace, norm=norm, mode=mode, residual=residual if mode == 1 else None,
+        return linear(x, weight, out, workspace, CONFIG, norm=norm, mode=mode, residual=residual if mode == 1 else None,
                       shape=Tiles(block_k=16, split_k=split_k))
 
     whole, split = run(1), run(4)
@@ -371,10 +227,10 @@ def test_the_matmul_kernel_adds_a_bias_as_a_linear_does():
     x = torch.randn(5, 64, generator=generator).to(DEVICE)
     for split_k in (1, 4):
         out = torch.empty(5, 48, device=DEVICE)
-        linear(x, module.weight, out, Workspace(), bias=module.bias, shape=Tiles(block_k=16, split_k=split_k))
+        linear(x, module.weight, out, Workspace(), CONFIG, bias=module.bias, shape=Tiles(block_k=16, split_k=split_k))
         torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
         one = torch.empty(1, 48, device=DEVICE)
-        linear(x[2:3], module.weight, one, Workspace(), bias=module.bias, shape=Tiles(block_k=16, split_k=split_k))
+        linear(x[2:3], module.weight, one, Workspace(), CONFIG, bias=module.bias, shape=Tiles(block_k=16, split_k=split_k))
         assert torch.equal(one[0], out[2])
 
 
@@ -408,7 +264,7 @@ def test_split_k_qkv_equals_the_unsplit_kernel():
     results = []
     for stack, split_k in ((model, 1), (twin, 4)):
         q = torch.empty(ROWS, 4, 16, device=DEVICE)
-        qkv_rope(stack.layers[0], h, positions, 1, stack.rope_cos, stack.rope_sin, q, Workspace(), Tiles(block_k=16, split_k=split_k))
+        qkv_rope(stack.layers[0], h, positions, 1, stack.rope_cos, stack.rope_sin, q, Workspace(), CONFIG, Tiles(block_k=16, split_k=split_k))
         results.append((q, caches(stack)))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
@@ -434,7 +290,7 @@ def test_attention_split_in_chunks_equals_one_program_per_head(parts, whole):
 
     def run(chunk: int) -> torch.Tensor:
         out = torch.full((ROWS, 64), float("nan"), device=DEVICE)
-        attention(attn, q, positions, 1, out, workspace, chunk=chunk, parts=parts, whole=whole)
+        attention(attn, q, positions, 1, out, workspace, CONFIG, chunk=chunk, parts=parts, whole=whole)
         return out
 
     alone, split = run(0), run(16)
@@ -457,15 +313,14 @@ def random_talker_attention(dtype: torch.dtype, seed: int) -> tuple[torch.nn.Mod
 
 
 @torch.inference_mode()
-def test_short_context_attention_has_the_same_bits_with_any_number_of_programs_per_head(monkeypatch):
+def test_short_context_attention_has_the_same_bits_with_any_number_of_programs_per_head():
     """A context of 256 positions at most (the talker's first ~17 s), its value columns weighed in 4
     groups, attended by 1, 2 or 4 programs per head gives the same bits: a launch could then take
     fewer programs for many rows and a row alone and among 15 others would still give the same audio.
     16 rows at positions from 1 to 256 (and beyond: the chunks' exchange, which parts do not touch)."""
-    from pipeline.kernels import decode
     from pipeline.kernels.decode import Workspace, attention
 
-    monkeypatch.setattr(decode, "ATTENTION_PARTS", 4)  # the column groups
+    config = dataclasses.replace(CONFIG, attention_parts=4)  # the column groups
 
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     attn, generator = random_talker_attention(dtype, 9)
@@ -474,7 +329,7 @@ def test_short_context_attention_has_the_same_bits_with_any_number_of_programs_p
     outs = []
     for parts in (1, 2, 4, 1):
         out = torch.empty(16, 256, device=DEVICE, dtype=dtype)
-        attention(attn, q, at, 1, out, Workspace(), chunk=256, num_warps=8, parts=parts, whole=256)
+        attention(attn, q, at, 1, out, Workspace(), config, chunk=256, num_warps=8, parts=parts, whole=256)
         outs.append(out)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
@@ -497,7 +352,7 @@ def test_split_attention_in_one_launch_equals_its_two_passes(dtype):
         outs = []
         for one_launch in (True, False, True):
             out = torch.empty(16, 256, device=DEVICE, dtype=dtype)
-            attention(attn, q, at, 1, out, workspace, chunk=64, one_launch=one_launch)
+            attention(attn, q, at, 1, out, workspace, CONFIG, chunk=64, one_launch=one_launch)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[1])
         assert not workspace.locks.any() and not workspace.stats_arrivals.any()
@@ -523,7 +378,7 @@ def test_fused_sampling_draws_the_tokens_of_sample_rows():
     for draw in range(3):
         noise = exponential_noise(seeds, torch.full((rows,), draw * vocab, device=DEVICE), vocab)
         expected = sample_rows(logits, settings, noise)
-        assert torch.equal(fused_sample(logits, settings, noise), expected)
+        assert torch.equal(fused_sample(logits, settings, noise, CONFIG), expected)
     assert expected[2] == logits[2].argmax() and expected[5] == logits[5].argmax()  # greedy, and top-k 1
 
 
@@ -550,7 +405,7 @@ def test_the_top_k_search_keeps_the_top_k_at_any_scale(vocab):
         logits = logits.to(DEVICE)
         for draw in range(2):
             noise = exponential_noise(torch.arange(len(tops), device=DEVICE) + 17, torch.full((len(tops),), draw * vocab, device=DEVICE), vocab)
-            assert torch.equal(fused_sample(logits, settings, noise), sample_rows(logits, settings, noise)), (scale, draw)
+            assert torch.equal(fused_sample(logits, settings, noise, CONFIG), sample_rows(logits, settings, noise)), (scale, draw)
 
 
 @torch.inference_mode()
@@ -580,7 +435,7 @@ def test_fused_sampling_cutoffs_on_ties_signed_zeros_and_a_full_vocabulary():
     for draw in range(4):
         noise = exponential_noise(seeds, torch.full((rows,), draw * vocab, device=DEVICE), vocab)
         expected = sample_rows(logits, settings, noise)
-        got = fused_sample(logits, settings, noise)
+        got = fused_sample(logits, settings, noise, CONFIG)
         assert torch.equal(got, expected), (draw, got, expected)
         drawn.append(got)
     drawn = torch.stack(drawn)
@@ -625,7 +480,7 @@ def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(tiny_checkpoints):
     hidden = model.talker.config.hidden_size
     generator = torch.Generator().manual_seed(8)
     pad, prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((hidden,), (1, 5, hidden), (1, hidden)))
-    decoders = [BatchDecoder(talker, pad, ROWS, 64, use_cuda_graphs=False, fused=fused, frame_kernels=fused, row_blocks=fused)
+    decoders = [BatchDecoder(talker, pad, ROWS, 64, use_cuda_graphs=False, fused=fused, frame_kernels=fused)
                 for talker, fused in zip(talkers, (False, True))]
     assert not decoders[0].fused and decoders[1].frame_kernels and decoders[1].block_sizes == [1, 2, ROWS] and decoders[0].block_sizes == [ROWS]
     sampled = SamplingConfig(top_k=20, top_p=0.9)
@@ -709,7 +564,7 @@ def test_the_code_predictor_in_one_persistent_kernel_equals_its_kernel_per_stage
     hidden = talker.config.hidden_size
     generator = torch.Generator().manual_seed(9)
     pad, prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((hidden,), (1, 4, hidden), (1, hidden)))
-    decoders = [BatchDecoder(t, pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True, persistent=p)
+    decoders = [BatchDecoder(t, pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True, kernels=dataclasses.replace(CONFIG, persistent=p))
                 for t, p in zip(talkers, (False, True))]
     kernel = decoders[1].predictor_kernel
     assert decoders[0].predictor_kernel is None and kernel is not None and kernel.project == (predictor_hidden is None)
@@ -747,7 +602,7 @@ def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoin
 
     talker = random_talker(tiny_checkpoints["custom_voice"], None)
     pad = torch.zeros(talker.config.hidden_size, device=DEVICE)
-    decoder = BatchDecoder(talker, pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True, persistent=False)
+    decoder = BatchDecoder(talker, pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True)
     project = talker.code_predictor.small_to_mtp_projection
     tables = decoder.code_tables
     assert isinstance(project, torch.nn.Linear) and decoder.next_tables.shape == (tables.shape[0], project.out_features)
@@ -756,10 +611,9 @@ def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoin
         alone = torch.zeros(1, place + 1, tables.shape[1], device=DEVICE)
         alone[0, place] = tables[row]
         projected = torch.empty(1, place + 1, project.out_features, device=DEVICE)
-        fused_linear(talker.code_predictor.model, project, alone, projected)
+        fused_linear(talker.code_predictor.model, project, alone, projected, CONFIG)
         assert torch.equal(decoder.next_tables[row], projected[0, place]), row
-    wide = BatchDecoder(random_talker(tiny_checkpoints["custom_voice"], 64), pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True,
-                        persistent=False)
+    wide = BatchDecoder(random_talker(tiny_checkpoints["custom_voice"], 64), pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True)
     assert wide.next_tables is wide.code_tables
 
 

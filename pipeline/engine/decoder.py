@@ -16,7 +16,7 @@ kernels run whatever the occupancy, and a row's numbers depend only on its own i
 chosen per batch size (cuBLAS picks GEMM algorithms by M, reductions pick their thread layout by
 the number of rows) would make a row's codes depend on how many neighbours it has.
 
-Row blocks (`row_blocks`, with the frame in kernels): the frame runs over the first 1, 2, 4, ...
+Row blocks (`KernelConfig.row_blocks`, with the frame in kernels): the frame runs over the first 1, 2, 4, ...
 rows, the smallest block that holds every occupied row (the engine fills the lowest free row
 first), one graph per block, so a lone listener's frame costs what an engine of one row's does.
 The fused kernels' arithmetic does not depend on the number of rows (`pipeline.kernels.decode`);
@@ -34,13 +34,10 @@ from pipeline.graphs import CUDAGraphed
 # pipeline.kernels imports Triton only when a kernel runs; its submodules (code_predictor, sampling) import it at
 # their own import, so they are imported where the frame runs in kernels: a CPU-only install has no Triton.
 from pipeline.kernels import FrameText, RowState, fused_available, fused_decode, fused_decode_logits, fused_linear, fused_sample, fused_supported
+from pipeline.kernels.config import KernelConfig
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer
 
-# Whether an engine whose frame runs in kernels runs it over row blocks when not told (BatchDecoder's
-# `row_blocks`). Measured on an H100 (pipeline.bench_kernels --ablation, 0.6B, engine of 16 rows):
-# 3.59 ms a frame with one row running against 4.14 over all rows, the same codes.
-ROW_BLOCKS = True
 MIN_NEW_TOKENS = 2  # Qwen3-TTS's reference masks EOS for the first two codebook-0 tokens (Qwen3-Omni's: none)
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompts are zero-padded to one of these lengths
 # The decode step is a chain of ~600 small kernels; the vocoder's convolutions fill the GPU. With
@@ -78,18 +75,19 @@ def block_sizes(rows: int) -> list[int]:
 class BatchDecoder:
     def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False,
                  min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None, frame_kernels: bool | None = None,
-                 persistent: bool | None = None, row_blocks: bool | None = None):
+                 kernels: KernelConfig | None = None):
         """`fused`: the transformer layers of the step in the Triton kernels of pipeline.kernels,
         and on CUDA its sampling too (default: where `fused_available` says the GPU runs them);
         else the modules' own step, compiled if `compiled`. `frame_kernels`: with `fused` and dense
         layers in both transformers, the whole frame in kernels (`_frame_in_kernels`: sampling,
         code embeddings, the talker's input and head, the logit processors and the commit of the
-        row state inside them); default: on CUDA. Off, that glue is PyTorch's ops. `persistent`: with
-        the frame in kernels, the code predictor's 15 steps in one persistent kernel
-        (`CodePredictorKernel`) instead of ~27 kernels a step; default: `code_predictor.PERSISTENT` (off:
-        slower on an H100, see docs/BENCHMARKS.md). `row_blocks`: with the frame in kernels and not
-        `persistent`, each frame over the smallest block of first rows holding every occupied row
-        (see above); default: `ROW_BLOCKS`."""
+        row state inside them); default: on CUDA. Off, that glue is PyTorch's ops. `kernels`: the fused
+        kernels' tiles and launch options (default: `KernelConfig.for_device`, the GPU's architecture's;
+        another architecture's runs where the GPU has what it needs). With the frame in kernels, its
+        `persistent` puts the code predictor's 15 steps in one persistent kernel (`CodePredictorKernel`)
+        instead of ~27 kernels a step (off by default: slower on an H100, see docs/BENCHMARKS.md), and
+        its `row_blocks` (when not `persistent`) runs each frame over the smallest block of first rows
+        holding every occupied row (see above)."""
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
@@ -137,6 +135,10 @@ class BatchDecoder:
         self.produced = zeros(rows, dtype=torch.bool)
 
         self.fused = fused_available(device) if fused is None else fused
+        self.kernels = KernelConfig.for_device(device) if kernels is None else kernels
+        if device.type == "cuda" and self.fused and not self.kernels.runs_on(torch.cuda.get_device_capability(device)):
+            raise ValueError(f"The kernels' configuration for compute capability {self.kernels.capability} does not run on this GPU "
+                             f"(compute capability {torch.cuda.get_device_capability(device)}).")
         self.talker_decode = self._decode_step(talker.model, compiled)
         self.predictor_logits = self._logits_step(talker.code_predictor.model, compiled)
         self.talker_prefill = talker.model.prefill
@@ -155,7 +157,7 @@ class BatchDecoder:
         if self.fused and device.type == "cuda":
             # One kernel instead of a sort, two softmaxes, a scan and an argmax, 16 times a frame
             # (not on CPU: Triton's interpreter takes a third of a second per row).
-            self.sample = fused_sample
+            self.sample = partial(fused_sample, config=self.kernels)
         self.frame_kernels = (self.fused and fused_supported(talker.model) and fused_supported(talker.code_predictor.model)
                               and (device.type == "cuda" if frame_kernels is None else frame_kernels))
         project = talker.code_predictor.small_to_mtp_projection
@@ -173,15 +175,16 @@ class BatchDecoder:
         if self.frame_kernels:
             from pipeline.kernels import code_predictor
 
-            if code_predictor.PERSISTENT if persistent is None else persistent:
-                self.predictor_kernel = code_predictor.CodePredictorKernel(talker.code_predictor, rows)
+            if self.kernels.persistent:
+                self.predictor_kernel = code_predictor.CodePredictorKernel(talker.code_predictor, rows, self.kernels)
         if self.frame_kernels and self.predictor_kernel is None:
             # The code predictor's next inputs come from its tables already in its width (the 1.7B's
             # projected once here): one input projection a frame instead of 15.
-            self.next_tables = project_code_tables(talker.code_predictor.model, project, self.code_tables) if projects else self.code_tables
+            self.next_tables = (project_code_tables(talker.code_predictor.model, project, self.code_tables, self.kernels) if projects
+                                else self.code_tables)
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        row_blocks = ROW_BLOCKS if row_blocks is None else row_blocks
-        self.block_sizes = block_sizes(rows) if self.frame_kernels and self.predictor_kernel is None and row_blocks else [rows]
+        row_blocks = self.frame_kernels and self.predictor_kernel is None and self.kernels.row_blocks
+        self.block_sizes = block_sizes(rows) if row_blocks else [rows]
         self.occupied = [False] * rows  # rows between start() and stop(), known without a device sync
         self.step_graphs = {n: CUDAGraphed(partial(self._frame_in_kernels, self._row_block(n)) if self.frame_kernels else self._step,
                                            self.use_cuda_graphs, priority=GENERATION_PRIORITY) for n in self.block_sizes}
@@ -197,14 +200,14 @@ class BatchDecoder:
     def _decode_step(self, model: Transformer, compiled: bool):
         """`model`'s decode step: the fused kernels where asked for and they apply (dense layers), else the module's own."""
         if self.fused and fused_supported(model):
-            return partial(fused_decode, model)
+            return partial(fused_decode, model, config=self.kernels)
         return torch.compile(model.decode, fullgraph=True, dynamic=False) if compiled else model.decode
 
     def _logits_step(self, model: Transformer, compiled: bool):
         """(x, positions, head weight) -> float32 logits of the last position: `model`'s decode step and
         the head, with the final norm and the head in one kernel where the fused kernels apply."""
         if self.fused and fused_supported(model):
-            return partial(fused_decode_logits, model)
+            return partial(fused_decode_logits, model, config=self.kernels)
         decode = self._decode_step(model, compiled)
         return lambda x, positions, head: F.linear(decode(x, positions)[:, -1], head).float()
 
@@ -404,9 +407,10 @@ class BatchDecoder:
                                   self.draws_per_frame, self.vocab, rows.codes, self.code_tables, self.table_starts, rows.token, text)
         else:
             self._predict_in_kernels(rows, text)
-        logits = fused_decode_logits(self.talker.model, rows.talker_input, rows.pos[:, None], self.talker.codec_head.weight, normed=rows.next_hidden)
+        logits = fused_decode_logits(self.talker.model, rows.talker_input, rows.pos[:, None], self.talker.codec_head.weight, self.kernels,
+                                     normed=rows.next_hidden)
         next_token(logits, rows.talker_sampling, rows, self.draws_per_frame, self.suppressed, self.eos_id, self.min_new_tokens, rows.next_hidden,
-                   rows.code_predictor_input, self.talker.model.codec_embedding.weight)
+                   rows.code_predictor_input, self.talker.model.codec_embedding.weight, self.kernels)
 
     def _predict_in_kernels(self, rows: RowBlock, text: FrameText) -> None:
         """The code predictor a kernel per stage over the block's rows: the first step's input
@@ -417,18 +421,19 @@ class BatchDecoder:
         predictor = self.talker.code_predictor
         project = predictor.small_to_mtp_projection
         if isinstance(project, torch.nn.Linear):
-            fused_linear(predictor.model, project, rows.code_predictor_input, rows.projected_input)
+            fused_linear(predictor.model, project, rows.code_predictor_input, rows.projected_input, self.kernels)
         for head in range(self.sub_steps):
             projected = rows.projected_input if head == 0 else rows.projected_next
             logits = self.predictor_logits(projected, rows.cp_positions[head], predictor.lm_head[head].weight)
             last = head == self.sub_steps - 1
             code_step(logits, rows.sub_sampling, rows.seed_hash, rows.frame, self.draws_per_frame, self.vocab + head * self.sub_vocab, rows.codes,
                       head + 1, self.code_tables if last else self.next_tables, self.table_starts,
-                      rows.talker_input if last else rows.projected_next, text=text if last else None, token=rows.token)
+                      rows.talker_input if last else rows.projected_next, self.kernels, text=text if last else None, token=rows.token)
 
 
 @torch.inference_mode()
-def project_code_tables(model: Transformer, project: torch.nn.Linear, tables: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+def project_code_tables(model: Transformer, project: torch.nn.Linear, tables: torch.Tensor, config: KernelConfig,
+                        chunk: int = 256) -> torch.Tensor:
     """Every row of the stacked code tables through the code predictor's input projection, in the
     decode step's matmul kernel (`fused_linear`, whose arithmetic for a row does not depend on the
     rows beside it): row r is bit for bit what projecting code r's embedding in a step gives.
@@ -436,7 +441,7 @@ def project_code_tables(model: Transformer, project: torch.nn.Linear, tables: to
     out = torch.empty(tables.shape[0], project.out_features, dtype=tables.dtype, device=tables.device)
     for start in range(0, tables.shape[0], chunk):
         rows = slice(start, start + chunk)
-        fused_linear(model, project, tables[None, rows], out[None, rows])
+        fused_linear(model, project, tables[None, rows], out[None, rows], config)
     return out
 
 

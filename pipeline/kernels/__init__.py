@@ -7,6 +7,9 @@ and `pipeline.kernels.code_predictor` the code predictor's whole frame in one pe
 `fused_decode` computes what `Transformer.decode` computes, for every cache row at once, reading
 the same modules' weights and writing the same KV caches, so the rest of the engine is unchanged.
 
+Every entry point takes the engine's `KernelConfig` (pipeline.kernels.config: the tiles and launch
+options of the GPU's architecture, chosen when the engine is built).
+
 This package imports Triton only when a kernel runs (its submodules do, at their import): a
 CPU-only install has no Triton (PyTorch's CUDA wheels bring it), and the engine imports this package
 and the row state below whatever its device."""
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from pipeline.kernels.config import KernelConfig
 from pipeline.model import MLP, Transformer
 
 if TYPE_CHECKING:  # pipeline.engine imports this package
@@ -74,16 +78,16 @@ def fused_supported(model: Transformer) -> bool:
 
 
 @torch.inference_mode()
-def fused_decode(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def fused_decode(model: Transformer, x: torch.Tensor, positions: torch.Tensor, config: KernelConfig) -> torch.Tensor:
     """`model.decode(x, positions)` in fused kernels: x [rows, L, hidden] for every cache row at `positions` [rows, L]."""
     from pipeline.kernels.decode import rms_norm
 
     rows, length, hidden = x.shape
-    return rms_norm(_layers(model, x, positions), model.norm).view(rows, length, hidden)
+    return rms_norm(_layers(model, x, positions, config), model.norm, config).view(rows, length, hidden)
 
 
 @torch.inference_mode()
-def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Tensor, head: torch.Tensor,
+def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Tensor, head: torch.Tensor, config: KernelConfig,
                         normed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(model.decode(x, positions)[:, -1], head).float()` in fused kernels: the final RMSNorm
     of the last position in the prologue of the head's matmul, float32 logits [rows, vocab] out of its
@@ -92,13 +96,13 @@ def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Te
     from pipeline.kernels.decode import linear
 
     rows, length, hidden = x.shape
-    last = _layers(model, x, positions, following=head).view(rows, length, hidden)[:, -1]
+    last = _layers(model, x, positions, config, following=head).view(rows, length, hidden)[:, -1]
     logits = torch.empty(rows, head.shape[0], dtype=torch.float32, device=x.device)
-    return linear(last, head, logits, _workspace(model), norm=model.norm, normed=normed)
+    return linear(last, head, logits, _workspace(model), config, norm=model.norm, normed=normed)
 
 
 @torch.inference_mode()
-def fused_linear(model: Transformer, module: torch.nn.Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def fused_linear(model: Transformer, module: torch.nn.Linear, x: torch.Tensor, out: torch.Tensor, config: KernelConfig) -> torch.Tensor:
     """`module(x)` into out [rows, L, out_features] in the decode step's matmul kernel (x [rows, L,
     in_features], contiguous), on `model`'s workspace: the step that runs before `model`'s layers (the
     1.7B's code-predictor input projection). Its arithmetic does not depend on the number of rows,
@@ -106,12 +110,13 @@ def fused_linear(model: Transformer, module: torch.nn.Linear, x: torch.Tensor, o
     from pipeline.kernels.decode import linear
 
     rows, length, features = x.shape
-    linear(x.view(rows * length, features), module.weight, out.view(rows * length, -1), _workspace(model), bias=module.bias,
+    linear(x.view(rows * length, features), module.weight, out.view(rows * length, -1), _workspace(model), config, bias=module.bias,
            following=model.layers[0].self_attn.qkv_proj.weight)
     return out
 
 
-def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
+def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor, config: KernelConfig,
+            following: torch.Tensor | None = None) -> torch.Tensor:
     """The residual stream [rows * L, hidden] after every layer of `model` (before the final norm);
     `following`: the weight of the matmul after the last layer (an output head)."""
     from pipeline.kernels.decode import decoder_layer
@@ -124,7 +129,7 @@ def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor, follow
     flat_positions = positions.reshape(-1).contiguous()
     after = [layer.self_attn.qkv_proj.weight for layer in model.layers[1:]] + [following]
     for layer, weight in zip(model.layers, after):
-        decoder_layer(layer, source, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace, following=weight)
+        decoder_layer(layer, source, h, flat_positions, length, model.rope_cos, model.rope_sin, workspace, config, following=weight)
         source = h
     return h
 
@@ -136,8 +141,8 @@ def _workspace(model: Transformer) -> "Workspace":
     return _WORKSPACES.setdefault(model, Workspace())
 
 
-def fused_sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor) -> torch.Tensor:
+def fused_sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor, config: KernelConfig) -> torch.Tensor:
     """`pipeline.engine.sampling.sample_rows` in one kernel (CUDA; Triton's interpreter on CPU)."""
     from pipeline.kernels.sampling import sample
 
-    return sample(logits, settings, noise)
+    return sample(logits, settings, noise, config)

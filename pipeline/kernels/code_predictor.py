@@ -8,7 +8,7 @@ stage's tiles (the same tiles, the same arithmetic as the kernel-per-stage path 
 `sampling`: those kernels' bodies are the functions called here), then waits at a grid barrier
 until every program has finished the stage.
 
-Not the default (`PERSISTENT`): measured on an H100, it is slower than the kernel-per-stage path,
+Not the default (`KernelConfig.persistent`): measured on an H100, it is slower than the kernel-per-stage path,
 whose launches are already overlapped (programmatic dependent launch inside a CUDA graph): the
 code predictor alone 2.98-3.11 ms a frame against 2.61 (0.6B, 1 row), the whole step 4.27 against
 3.70 ms. A grid barrier (an atomic add, then a wait on L2) costs about what an overlapped kernel
@@ -35,9 +35,10 @@ import triton
 import triton.language as tl
 
 from pipeline.kernels import FrameText
-from pipeline.kernels.decode import (ATTENTION_BLOCK, BLOCK_M, Workspace, _attend, _check_split, _linear_finish, _linear_sums, _qkv_finish,
-                                     _qkv_sums, arrive_and_wait, launch_options, tiles, wait_for_inputs)
-from pipeline.kernels.sampling import CANDIDATES, _row_block, draw_code
+from pipeline.kernels.config import KernelConfig, Tiles
+from pipeline.kernels.decode import (BLOCK_M, Workspace, _attend, _check_split, _linear_finish, _linear_sums, _qkv_finish, _qkv_sums,
+                                     arrive_and_wait, attention_block, launch_options, wait_for_inputs)
+from pipeline.kernels.sampling import CANDIDATES, _row_block, code_row_block, draw_code
 
 if TYPE_CHECKING:
     from pipeline.engine.sampling import RowSampling
@@ -45,9 +46,6 @@ if TYPE_CHECKING:
 
 LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.qkv_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
                  "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
-# Whether an engine whose frame runs in kernels puts its code predictor in this kernel when not told
-# (BatchDecoder's `persistent`): off, it is slower (see above); the benchmark's ablation turns it on.
-PERSISTENT = False
 NUM_WARPS = 8  # the q/k/v tiles' and the 2,048-code draw's (the kernels of the per-stage path that need the most)
 
 
@@ -206,6 +204,29 @@ def stack_caches(model: "Transformer") -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values
 
 
+def stage_tiles(config: KernelConfig, shape: dict, dtype: torch.dtype) -> dict[str, Tiles]:
+    """The tiles of each stage of `_code_predictor_kernel` with shape constants `shape` (its E, H, I,
+    HEADS, KV_HEADS, HEAD_DIM, V): the configuration's, as the kernel-per-stage path picks them."""
+    s, tiles = shape, config.tiles
+    qkv_rows = (s["HEADS"] + 2 * s["KV_HEADS"]) * s["HEAD_DIM"]
+    stage = dict(P=tiles("linear0", s["H"], s["E"], dtype), QKV=tiles("qkv", qkv_rows, s["H"], dtype),
+                 O=tiles("linear1", s["H"], s["HEADS"] * s["HEAD_DIM"], dtype), GU=tiles("linear2", s["I"], s["H"], dtype),
+                 D=tiles("linear1", s["H"], s["I"], dtype), HD=tiles("linear0", s["V"], s["H"], dtype))
+    depth = dict(P=s["E"], QKV=s["H"], O=s["HEADS"] * s["HEAD_DIM"], GU=s["H"], D=s["I"], HD=s["H"])
+    for name, t in stage.items():
+        _check_split(depth[name], t)
+    return stage
+
+
+def stage_launch(stage: dict[str, Tiles]) -> dict:
+    """`_code_predictor_kernel`'s tile arguments (P_BN, P_BK, P_SPLIT, ...) for the stages' tiles."""
+    launch = {}
+    for name, t in stage.items():
+        launch.update({f"{name}_BN": t.block_n, f"{name}_BK": t.block_k, f"{name}_SPLIT": t.split_k})
+    del launch["QKV_BN"]  # q/k/v tiles are heads
+    return launch
+
+
 class CodePredictorKernel:
     """Codebooks 1..15 of every row's frame in one launch (see the module's docstring): the same
     arithmetic, in the same tiles, as the per-step path of `BatchDecoder._frame_in_kernels` (the
@@ -213,15 +234,15 @@ class CodePredictorKernel:
     (each step here; the per-step path reads the later steps' from tables projected once: the same bits).
 
     Building it stacks the predictor's layer weights, heads and caches (the modules' tensors become
-    views: nothing is copied twice) and allocates its scratch for `rows` rows. `programs`: how many
-    run (default: one per SM on CUDA; one in Triton's interpreter)."""
+    views: nothing is copied twice) and allocates its scratch for `rows` rows. `config`: its stages'
+    tiles and launch. `programs`: how many run (default: one per SM on CUDA; one in Triton's interpreter)."""
 
-    def __init__(self, predictor: "CodePredictor", rows: int, programs: int | None = None):
+    def __init__(self, predictor: "CodePredictor", rows: int, config: KernelConfig, programs: int | None = None):
         model = predictor.model
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         weight = model.norm.weight
         device, dtype = weight.device, weight.dtype
-        self.predictor, self.rows = predictor, rows
+        self.predictor, self.rows, self.config = predictor, rows, config
         self.weights = {name: stack_parameters(list(model.layers), name) for name in LAYER_WEIGHTS}
         self.heads = stack_parameters(list(predictor.lm_head), "weight")
         self.keys, self.values = stack_caches(model)
@@ -245,18 +266,12 @@ class CodePredictorKernel:
         self.gated, self.logits = scratch(tokens, mlp.intermediate), scratch(rows, self.shape["V"], dtype=torch.float32)
         self.barrier = scratch(2, dtype=torch.int32)
         self.programs = programs or (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1)
-        self.stage_tiles, self.launch = self._plan(embed, tokens)
+        self.stage_tiles, self.launch = self._plan(tokens)
 
-    def _plan(self, embed: int, tokens: int) -> tuple[dict, dict]:
-        """Each stage's tiles (`decode.tiles`, as the per-stage kernels pick them) and the split-K room."""
-        s, dtype = self.shape, self.heads.dtype
-        qkv_rows = (s["HEADS"] + 2 * s["KV_HEADS"]) * s["HEAD_DIM"]
-        stage = dict(P=tiles("linear0", s["H"], embed, dtype), QKV=tiles("qkv", qkv_rows, s["H"], dtype),
-                     O=tiles("linear1", s["H"], s["HEADS"] * s["HEAD_DIM"], dtype), GU=tiles("linear2", s["I"], s["H"], dtype),
-                     D=tiles("linear1", s["H"], s["I"], dtype), HD=tiles("linear0", s["V"], s["H"], dtype))
-        depth = dict(P=embed, QKV=s["H"], O=s["HEADS"] * s["HEAD_DIM"], GU=s["H"], D=s["I"], HD=s["H"])
-        for name, t in stage.items():
-            _check_split(depth[name], t)
+    def _plan(self, tokens: int) -> tuple[dict, dict]:
+        """Each stage's tiles (`stage_tiles`), its launch arguments, and the split-K room."""
+        s = self.shape
+        stage = stage_tiles(self.config, s, self.heads.dtype)
         row_blocks = triton.cdiv(tokens, BLOCK_M)
         columns = dict(P=s["H"], O=s["H"], GU=s["I"], D=s["H"], HD=s["V"])
         blocks = {name: row_blocks * triton.cdiv(n, stage[name].block_n) for name, n in columns.items()}
@@ -265,11 +280,7 @@ class CodePredictorKernel:
         for name, t in stage.items():
             workspace.get(blocks[name], t.split_k, BLOCK_M * (s["HEAD_DIM"] // 2 if name == "QKV" else t.block_n), self.heads.device)
         self.partial, self.locks = workspace.partial, workspace.locks
-        launch = {}
-        for name, t in stage.items():
-            launch.update({f"{name}_BN": t.block_n, f"{name}_BK": t.block_k, f"{name}_SPLIT": t.split_k})
-        del launch["QKV_BN"]  # q/k/v tiles are heads
-        return stage, launch
+        return stage, stage_launch(stage)
 
     @torch.inference_mode()
     def __call__(self, first: torch.Tensor, next_input: torch.Tensor, talker_input: torch.Tensor, sampling: "RowSampling", seed_hash: torch.Tensor,
@@ -293,7 +304,7 @@ class CodePredictorKernel:
             sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, seed_hash, frame, draws_per_frame, first_draw,
             codes, tables, table_starts, token, text.trailing, text.length, text.pad, text.trailing.shape[1],
             self.rows, model.layers[0].input_layernorm.eps, attn.q_norm.eps, model.norm.eps, attn.head_dim**-0.5, *self.keys.stride()[:4],
-            **s, CODES=codes.shape[1], BLOCK_M=BLOCK_M, BLOCK_S=min(ATTENTION_BLOCK, triton.next_power_of_2(self.keys.shape[3])),
-            BLOCK=triton.next_power_of_2(s["V"]), BLOCK_E=_row_block(e), BLOCK_T=min(_row_block(e), 4096 // codes.shape[1]), C=CANDIDATES,
+            **s, CODES=codes.shape[1], BLOCK_M=BLOCK_M, BLOCK_S=attention_block(self.keys.shape[3]),
+            BLOCK=triton.next_power_of_2(s["V"]), BLOCK_E=_row_block(e), BLOCK_T=code_row_block(e, codes.shape[1], True), C=CANDIDATES,
             **self.launch, GRID_SYNC=self.programs > 1, num_warps=NUM_WARPS, num_stages=self.stage_tiles["QKV"].num_stages,
-            **launch_options(first.device))
+            **launch_options(self.config, first.device))

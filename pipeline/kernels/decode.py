@@ -5,7 +5,7 @@
    the head's norm stay in the program);
 2. attention of one query head over its row's cache up to the query's position (not the whole
    cache: a row reads only what it has written); for the talker's long cache, a short context
-   attended without exchange (by ATTENTION_PARTS programs per head, each weighing a share of the
+   attended without exchange (by `attention_parts` programs per head, each weighing a share of the
    value columns), a long one split in chunks of positions, a program each, whose softmax
    statistics the chunks exchange within the launch;
 3. output projection with the residual add in the epilogue;
@@ -22,17 +22,20 @@ Batch invariance: every launch tiles the batch in blocks of BLOCK_M rows with on
 every batch, and a row's reductions run in a fixed order over its own data, so a row's result
 does not depend on how many rows run beside it or what they hold.
 
-Tiles per weight shape (`Tiles`, the table `TUNED`) come from a measured sweep; a tile may split
+Tiles per weight shape (`Tiles`, per architecture: `KernelConfig.tiles`) come from a measured sweep; a tile may split
 the reduction over several programs (split-K, for narrow weights that leave SMs idle), whose
 partial sums the last program to finish adds in a fixed order: deterministic, like the rest.
 
 Weights ahead of time: each matmul kernel, once its own weight tiles are read, asks L2 for the
 next matmul's weights (they do not depend on anything computed), its programs a share each, so the
 next kernel reads them from L2, fetched while this kernel ends and the next one launches (not by a
-kernel that streams more than BANDWIDTH_BOUND_BYTES itself: HBM is busy enough there).
+kernel that streams more than `bandwidth_bound_bytes` itself: HBM is busy enough there).
 And on Hopper and newer the kernels launch overlapped (programmatic dependent launch): a kernel is
 launched while the previous one ends and waits for its results on the GPU. Neither changes the
 arithmetic: results are bit-identical with or without them.
+
+Every launch takes the engine's `KernelConfig` (pipeline.kernels.config): the tiles, the overlapped
+launches and the prefetch budget of the architecture it runs on.
 
 Each kernel is a chain of round trips to memory (the wait for the previous kernel, the
 activations, the weights, the split-K partials), so loads that do not depend on each other leave
@@ -41,46 +44,15 @@ sums, the attention's values with its keys.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from pipeline.kernels.config import KernelConfig, Tiles
+
 BLOCK_M = 16  # rows of the batch per program, whatever the batch: a row's arithmetic never depends on the batch size
 NORM_BLOCK = 256
 ATTENTION_BLOCK = 128  # cache positions per iteration of the attention loop
-# Cache lengths whose attention runs split in chunks: positions per chunk, warps per program (the
-# talker's). Measured on an H200 (`python -m pipeline.bench_kernels --attention`, us at 50 / 200 / 300 / 1,000 /
-# 2,000 positions): chunks of 256 x 8 warps 4.7 / 4.8 / 8.2 / 8.5 / 9.2; of 64 x 4 warps 3.4 / 7.0 /
-# 7.7 / 10.4 / 14.0; of 128 x 8 warps 4.8 / 8.3 / 8.7 / 9.3 / 10.3; one program per head looping over
-# the context 3.6 / 10.4 / 14.7 / 41.7 / 81.8. In the whole step (0.6B, 1 row) 3.01 -> 2.95 ms.
-ATTENTION_CHUNKS: dict[int, tuple[int, int]] = {2048: (256, 8)}
-# A context of ATTENTION_WHOLE positions at most (the first ~17 s of an utterance) needs no exchange:
-# ATTENTION_PARTS programs per head each compute all of its scores and weigh a share of the value
-# columns (each reads a share of the values, the keys from L2 after the first). H200, us at 50 / 150 /
-# 256 positions (chunks of 256 x 8 warps; the columns then in one group a part, not 4 groups over the
-# parts as now): 1 part 4.7 / 4.8 / 4.8, 2 parts 4.1 / 4.2 / 4.4, 4 parts
-# 3.6 / 3.7 / 3.9, 8 parts 3.7 / 3.8 / 4.0; a whole of 512 positions (8 parts) 5.3 / 5.4 / 5.5 and 5.6
-# at 300 (against 7.4 exchanging): slower where most steps are. In the step: 0.6B 2.842 -> 2.819 ms.
-ATTENTION_WHOLE = 256
-# One part by default: 4 parts in every launch made the 1-row step 0.02 ms faster (0.6B 2.842 ->
-# 2.819 ms, 1.7B 3.446 -> 3.420, same call) but the 16-row engine slower at 8 and 16 rows running
-# (3.48 / 4.06 ms against 3.36 / 3.76 the day before): 1,024 programs at 16 rows, one per SM at a time
-# (the kernel's registers). A launch could take 4 parts for few rows and 1 for many if a row's bits do
-# not depend on the parts (the columns are weighed in the same groups:
-# `test_short_context_attention_has_the_same_bits_with_any_number_of_programs_per_head`); not yet
-# verified on a GPU, where that test would show it.
-ATTENTION_PARTS = 1  # a power of two
-OVERLAP = True  # overlapped launches where the GPU has them (`overlapped`); off: every kernel waits for the previous to end
-# At most this many bytes of the next matmul's weights are asked into L2 ahead of time: under half
-# the L2 of an H100 / H200 (50 MB), so lines are not pushed out before they are read.
-L2_PREFETCH_BYTES = 24 << 20
-# A kernel that reads more weight bytes than this keeps HBM busy by itself: it asks for nothing
-# ahead. Measured on an H100 (1.7B step, 1 row): no bound 4.89 ms, 16 MB 4.79, 8 MB 4.83, no
-# prefetch 4.83; the 0.6B (every weight under 16 MB): 3.81 / 3.80 ms, 3.91 without prefetch.
-BANDWIDTH_BOUND_BYTES = 16 << 20
 
 
 @triton.jit
@@ -551,18 +523,6 @@ def _rms_norm_kernel(x_ptr, norm_ptr, out_ptr, K: tl.constexpr, eps, BLOCK_K: tl
 
 # ---- launches ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Tiles:
-    """Launch shape of a matmul kernel: columns and reduction depth per program, warps, pipeline
-    stages, and programs that share a tile's reduction (split-K: more programs for narrow weights)."""
-
-    block_n: int = 16
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
-    split_k: int = 1
-
-
 class Workspace:
     """Split-K partial sums and per-tile arrival counters of one model's decode step. Its kernels
     run one after another on one stream and each leaves its counters at zero; two models' steps may
@@ -603,72 +563,28 @@ class Workspace:
         return torch.zeros(numel, dtype=dtype, device=device)
 
 
-# Tiles per (kernel, N, K), bf16; 16 x 256 tiles, 4 warps, 3 stages elsewhere. Split-K wins wherever a
-# weight has few column blocks (q/k/v: 32 heads; o and down: 1,024-2,048 columns). The choice depends
-# on the weight's shape only, never on the batch. First chosen by timing each kernel alone
-# (`python -m pipeline.bench_kernels --sweep`, H200, 2026-11-23), then retuned in the whole step
-# (`--step-sweep`, H200, 2026-11-26: a kernel's time in the step depends on its neighbours, which
-# launch while it runs and share its SMs), two rounds: 0.6B 3.54 -> 3.25 ms per frame, 1.7B 4.28 ->
-# 3.96 (docs/BENCHMARKS.md, seventh session).
-TUNED: dict[tuple[str, int, int], Tiles] = {
-    ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, num_stages=1, split_k=8),
-    ("qkv", 4096, 2048): Tiles(block_k=128, num_warps=8, split_k=8),
-    ("linear1", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o projection, 0.6B and every code predictor
-    ("linear0", 1024, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # the 1.7B's code-predictor input projection: the o projection's shape
-    ("linear1", 1024, 3072): Tiles(block_n=32, block_k=128, num_stages=2, split_k=8),  # down, 0.6B and every code predictor
-    ("linear2", 3072, 1024): Tiles(block_n=32, num_stages=4),  # gate/up, 0.6B and every code predictor
-    ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o projection, 1.7B
-    ("linear1", 2048, 6144): Tiles(block_n=32, split_k=8),  # down, 1.7B
-    ("linear2", 6144, 2048): Tiles(block_n=64),  # gate/up, 1.7B (block_n 32 until the tenth session's sweep: 3.436 -> 3.415 ms)
-    ("linear0", 2048, 1024): Tiles(block_n=32),  # the code predictor's heads
-    ("linear0", 3072, 1024): Tiles(num_stages=4),  # the 0.6B's talker head
-}
-
-
-def tiles(kind: str, n: int, k: int, dtype: torch.dtype) -> Tiles:
-    if dtype == torch.float32:
-        # float32 runs for parity (GPU checks, the CPU tests in Triton's interpreter, whose time grows
-        # with the programs of a launch), never for speed: wide column blocks, few programs (gate/up's
-        # two weight tiles half as wide: registers, no spills on sm_90). Its tiles are twice the
-        # bytes: the q/k/v kernel's pipelined weight tiles must fit in shared memory.
-        widest = 64 if kind == "linear2" else 128
-        return Tiles(block_n=min(widest, max(16, triton.next_power_of_2(n))), block_k=min(64, triton.next_power_of_2(k)), num_stages=2)
-    found = TUNED.get((kind, n, k))
-    return found if found is not None else Tiles(block_k=min(256, triton.next_power_of_2(k)))
-
-
-def overlapped(device: torch.device) -> bool:
-    """Whether the step's kernels launch overlapped on `device` (`OVERLAP` on, a CUDA GPU of
-    compute capability 9.0 or newer: programmatic dependent launch)."""
-    return OVERLAP and device.type == "cuda" and _capability(device)[0] >= 9
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def launch_options(device: torch.device) -> dict:
-    """Launch arguments of a kernel that waits with `wait_for_inputs`."""
-    on = overlapped(device)
+def launch_options(config: KernelConfig, device: torch.device) -> dict:
+    """Launch arguments of a kernel that waits with `wait_for_inputs`: overlapped (programmatic
+    dependent launch) where `config` has it, on CUDA (Triton's interpreter launches one by one)."""
+    on = config.overlap and device.type == "cuda"
     return dict(OVERLAP=on, launch_pdl=on)
 
 
-def _prefetch(following: torch.Tensor | None, programs: int, weight: torch.Tensor) -> dict:
+def _prefetch(config: KernelConfig, following: torch.Tensor | None, programs: int, weight: torch.Tensor) -> dict:
     """Launch arguments of a matmul kernel's prefetch of the `following` weight by its `programs`
     programs (None: nothing; the kernel's own `weight` then stands in as the unused pointer). On
     CUDA only: a prefetch is a PTX instruction, Triton's interpreter has none."""
-    if following is None or not following.is_cuda or weight.numel() * weight.element_size() > BANDWIDTH_BOUND_BYTES:
+    if following is None or not following.is_cuda or weight.numel() * weight.element_size() > config.bandwidth_bound_bytes:
         return dict(next_ptr=weight, next_size=0, NEXT_LINES=0, LINE=1)
-    size, lines, line = prefetch_shares(following.numel(), following.element_size(), programs)
+    size, lines, line = prefetch_shares(following.numel(), following.element_size(), programs, config.l2_prefetch_bytes)
     return dict(next_ptr=following, next_size=size, NEXT_LINES=lines, LINE=line)
 
 
-def prefetch_shares(numel: int, element_size: int, programs: int) -> tuple[int, int, int]:
+def prefetch_shares(numel: int, element_size: int, programs: int, budget: int) -> tuple[int, int, int]:
     """(elements asked into L2, 128-byte lines per program, elements per line): the weight's first
-    L2_PREFETCH_BYTES at most, in equal power-of-two shares of lines over the programs."""
+    `budget` bytes at most, in equal power-of-two shares of lines over the programs."""
     line = 128 // element_size
-    size = min(numel, L2_PREFETCH_BYTES // element_size)
+    size = min(numel, budget // element_size)
     return size, triton.next_power_of_2(triton.cdiv(triton.cdiv(size, line), programs)) if size else 0, line
 
 
@@ -682,7 +598,8 @@ def _check_split(k: int, t: Tiles) -> None:
         raise ValueError(f"split-K: {k} columns do not split into {t.split_k} parts of whole {t.block_k}-column tiles")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: Workspace, norm: torch.nn.Module | None = None, mode: int = 0,
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: Workspace, config: KernelConfig,
+           norm: torch.nn.Module | None = None, mode: int = 0,
            residual: torch.Tensor | None = None, shape: Tiles | None = None, following: torch.Tensor | None = None,
            normed: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ weight^T (+ bias)); see _linear_kernel for `mode`.
@@ -691,7 +608,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: 
     m, k = x.shape
     assert x.stride(1) == 1 and (normed is None or (norm is not None and normed.is_contiguous()))
     n = out.shape[1]
-    t = shape or tiles(f"linear{mode}", n, k, x.dtype)
+    t = shape or config.tiles(f"linear{mode}", n, k, x.dtype)
     _check_split(k, t)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, t.block_n), t.split_k)
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * t.block_n, x.device)
@@ -701,18 +618,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: 
         norm.eps if norm is not None else 0.0, HAS_NORM=norm is not None, STORE_NORMED=normed is not None, HAS_BIAS=bias is not None,
         MODE=mode, IEEE=x.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages,
-        **launch_options(x.device), **_prefetch(following, grid[0] * grid[1] * grid[2], weight))
+        **launch_options(config, x.device), **_prefetch(config, following, grid[0] * grid[1] * grid[2], weight))
     return out
 
 
 def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, length: int, cos: torch.Tensor, sin: torch.Tensor,
-             q: torch.Tensor, workspace: Workspace, shape: Tiles | None = None, following: torch.Tensor | None = None) -> None:
+             q: torch.Tensor, workspace: Workspace, config: KernelConfig, shape: Tiles | None = None,
+             following: torch.Tensor | None = None) -> None:
     """q/k/v of RMSNorm(h) with q/k norms and RoPE; q into `q` [M, heads, head_dim], k and v into the
     layer's cache. `following`: the weight of the next matmul, asked into L2 ahead of it."""
     attn = layer.self_attn
     cache = attn.kv_cache
     m, hidden = h.shape
-    t = shape or tiles("qkv", attn.qkv_proj.weight.shape[0], hidden, h.dtype)
+    t = shape or config.tiles("qkv", attn.qkv_proj.weight.shape[0], hidden, h.dtype)
     _check_split(hidden, t)
     grid = (triton.cdiv(m, BLOCK_M), attn.heads + 2 * attn.kv_heads, t.split_k)
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * attn.head_dim // 2, h.device)
@@ -720,12 +638,12 @@ def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, l
         h, layer.input_layernorm.weight, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions,
         q, cache.k, cache.v, partial, locks, m, hidden, length, layer.input_layernorm.eps, attn.q_norm.eps, *cache.k.stride()[:3],
         HEADS=attn.heads, KV_HEADS=attn.kv_heads, HEAD_DIM=attn.head_dim, IEEE=h.dtype == torch.float32, BLOCK_M=BLOCK_M,
-        BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(h.device),
-        **_prefetch(following, grid[0] * grid[1] * grid[2], attn.qkv_proj.weight))
+        BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(config, h.device),
+        **_prefetch(config, following, grid[0] * grid[1] * grid[2], attn.qkv_proj.weight))
 
 
 def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, length: int, out: torch.Tensor, workspace: Workspace,
-              block_s: int | None = None, num_warps: int | None = None, chunk: int | None = None, one_launch: bool | None = None,
+              config: KernelConfig, block_s: int | None = None, num_warps: int | None = None, chunk: int | None = None, one_launch: bool | None = None,
               parts: int = 0, whole: int = 0) -> None:
     """out [M, heads * head_dim]: each query head over its row's cache, positions 0..its own.
 
@@ -733,14 +651,15 @@ def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, l
     softmax's statistics, then the values; in one launch on a GPU, in two with `one_launch` off and
     in Triton's interpreter), where one program per head would leave SMs idle; a context of `whole`
     positions at most attended by `parts` programs per head instead, each weighing a share of the
-    value columns (defaults ATTENTION_WHOLE, at least a chunk, and ATTENTION_PARTS; the columns are
-    weighed in max(parts, ATTENTION_PARTS) groups). Without `chunk`, one program per head loops over
-    blocks of `block_s` positions."""
+    value columns (defaults `config.attention_whole`, at least a chunk, and `config.attention_parts`;
+    the columns are weighed in max(parts, config.attention_parts) groups). Without `chunk` (and
+    without one in `config.attention_chunks` for the cache's length), one program per head loops
+    over blocks of `block_s` positions."""
     cache = attn.kv_cache
     scale, strides = attn.head_dim**-0.5, cache.k.stride()[:2]
     shape = dict(HEADS=attn.heads, GROUP=attn.heads // attn.kv_heads, HEAD_DIM=attn.head_dim)
     if chunk is None:
-        chunk, warps = ATTENTION_CHUNKS.get(cache.k.shape[2], (0, 0))
+        chunk, warps = config.attention_chunks.get(cache.k.shape[2], (0, 0))
         num_warps = num_warps or warps
     if chunk:
         chunks = triton.cdiv(cache.k.shape[2], chunk)
@@ -749,31 +668,40 @@ def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, l
         partial, locks = workspace.get(heads, chunks, attn.head_dim, q.device)
         stats, arrivals = workspace.stats(heads * chunks * 2, q.device), workspace.arrivals(heads, q.device)
         one_launch = q.is_cuda if one_launch is None else one_launch
-        groups = max(parts, min(ATTENTION_PARTS, attn.head_dim, 1 << (chunks.bit_length() - 1)))
+        groups = max(parts, min(config.attention_parts, attn.head_dim, 1 << (chunks.bit_length() - 1)))
         parts = parts or groups
         assert groups % parts == 0 and parts <= min(chunks, attn.head_dim), f"{parts} programs per head: not a power of two up to {groups}"
         for passes in (3,) if one_launch else (1, 2):
             _attention_split_kernel[grid](q, cache.k, cache.v, positions, stats, partial, locks, arrivals, out, length, scale, *strides, **shape,
                                           CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks),
-                                          WHOLE=whole or max(chunk, ATTENTION_WHOLE), GROUPS=groups, PARTS=parts, PASSES=passes,
-                                          num_warps=num_warps or 4, **launch_options(q.device))
+                                          WHOLE=whole or max(chunk, config.attention_whole), GROUPS=groups, PARTS=parts, PASSES=passes,
+                                          num_warps=num_warps or 4, **launch_options(config, q.device))
         return
     # Blocks as long as the cache up to 128 positions: a code-predictor step (16 positions) is one
     # block. Measured on an H200 at 200 positions: 128 x 8 warps 9.7 us, 64 x 4 warps 14.1 us.
-    block = block_s or min(ATTENTION_BLOCK, triton.next_power_of_2(cache.k.shape[2]))
+    block = block_s or attention_block(cache.k.shape[2])
     _attention_kernel[(q.shape[0], attn.heads)](q, cache.k, cache.v, positions, out, length, scale, *strides, **shape, BLOCK_S=block,
-                                                num_warps=num_warps or (8 if block >= 128 else 2), **launch_options(q.device))
+                                                num_warps=num_warps or attention_warps(block), **launch_options(config, q.device))
 
 
-def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+def attention_block(cache_length: int) -> int:
+    """Positions per iteration of one program per head: the whole cache up to ATTENTION_BLOCK."""
+    return min(ATTENTION_BLOCK, triton.next_power_of_2(cache_length))
+
+
+def attention_warps(block: int) -> int:
+    return 8 if block >= 128 else 2
+
+
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module, config: KernelConfig) -> torch.Tensor:
     out = torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, norm.weight, out, x.shape[1], norm.eps, BLOCK_K=min(NORM_BLOCK, triton.next_power_of_2(x.shape[1])),
-                                    **launch_options(x.device))
+                                    **launch_options(config, x.device))
     return out
 
 
 def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, length: int, cos: torch.Tensor,
-                  sin: torch.Tensor, workspace: Workspace, following: torch.Tensor | None = None) -> None:
+                  sin: torch.Tensor, workspace: Workspace, config: KernelConfig, following: torch.Tensor | None = None) -> None:
     """One Qwen3 decoder layer: input x [M, hidden], output into h (which may be x); token m is
     position positions[m] of cache row m // length. `following`: the weight of the matmul after the
     layer (the next layer's q/k/v, an output head), asked into L2 during the layer's last kernel."""
@@ -781,10 +709,10 @@ def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, h: torch.Tensor, posi
     m = x.shape[0]
     heads, head_dim = attn.heads, attn.head_dim
     q = torch.empty(m, heads, head_dim, dtype=x.dtype, device=x.device)
-    qkv_rope(layer, x, positions, length, cos, sin, q, workspace, following=attn.o_proj.weight)
+    qkv_rope(layer, x, positions, length, cos, sin, q, workspace, config, following=attn.o_proj.weight)
     attended = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
-    attention(attn, q, positions, length, attended, workspace)
-    linear(attended, attn.o_proj.weight, h, workspace, mode=1, residual=x, following=mlp.gate_up_proj.weight)
+    attention(attn, q, positions, length, attended, workspace, config)
+    linear(attended, attn.o_proj.weight, h, workspace, config, mode=1, residual=x, following=mlp.gate_up_proj.weight)
     gated = torch.empty(m, mlp.intermediate, dtype=x.dtype, device=x.device)
-    linear(h, mlp.gate_up_proj.weight, gated, workspace, norm=layer.post_attention_layernorm, mode=2, following=mlp.down_proj.weight)
-    linear(gated, mlp.down_proj.weight, h, workspace, mode=1, residual=h, following=following)
+    linear(h, mlp.gate_up_proj.weight, gated, workspace, config, norm=layer.post_attention_layernorm, mode=2, following=mlp.down_proj.weight)
+    linear(gated, mlp.down_proj.weight, h, workspace, config, mode=1, residual=h, following=following)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from pipeline.kernels import FrameText, RowState
+from pipeline.kernels.config import KernelConfig
 from pipeline.kernels.decode import launch_options, wait_for_inputs
 
 if TYPE_CHECKING:
@@ -284,24 +285,35 @@ def _next_token_kernel(logits_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, to
         _copy_row(table_ptr + token * H, state_ptr + (row * 2 + 1) * H, H, BLOCK_H)
 
 
-def sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor, config: KernelConfig) -> torch.Tensor:
     """`sample_rows(logits, settings, noise)` in one kernel: logits, noise [rows, V] float32 -> token ids [rows]."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     block = triton.next_power_of_2(vocab)
     _sample_kernel[(rows,)](logits, noise, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, out, vocab,
-                           logits.stride(0), noise.stride(0), BLOCK=block, C=CANDIDATES, num_warps=8 if block >= 2048 else 4,
-                           **launch_options(logits.device))
+                           logits.stride(0), noise.stride(0), BLOCK=block, C=CANDIDATES, num_warps=sampling_warps(block, config),
+                           **launch_options(config, logits.device))
     return out
+
+
+def sampling_warps(block: int, config: KernelConfig) -> int:
+    """Warps of a program that holds a row's `block` logits."""
+    return config.wide_sampling_warps if block > 2048 else (8 if block == 2048 else 4)
 
 
 def _row_block(width: int) -> int:
     return min(1024, triton.next_power_of_2(width))
 
 
+def code_row_block(hidden: int, codes: int, last: bool) -> int:
+    """Columns per iteration of `draw_code`'s copy (or, after the last codebook, its sum of `codes`
+    embeddings: codes x columns in registers at once) of a row of `hidden`."""
+    return min(_row_block(hidden), 4096 // codes) if last else _row_block(hidden)
+
+
 def code_step(logits: torch.Tensor, settings: "RowSampling", seed_hash: torch.Tensor, frame: torch.Tensor, draws_per_frame: int, first_draw: int,
               codes: torch.Tensor, column: int, tables: torch.Tensor, table_starts: torch.Tensor, next_input: torch.Tensor,
-              text: "FrameText | None" = None, token: torch.Tensor | None = None) -> None:
+              config: KernelConfig, text: "FrameText | None" = None, token: torch.Tensor | None = None) -> None:
     """Codebook `column` of every row's frame into codes [rows, CODES] (see _code_kernel), and the
     row's next input [rows, H] into `next_input`: the code's embedding from `tables` (all codebooks'
     tables stacked, codebook c's from row table_starts[c]); after the last codebook (`text` given),
@@ -315,12 +327,12 @@ def code_step(logits: torch.Tensor, settings: "RowSampling", seed_hash: torch.Te
     _code_kernel[(rows,)](logits, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, seed_hash, frame, draws_per_frame,
                           first_draw, vocab, codes, column, codes.shape[1], tables, table_starts, next_input, hidden,
                           token if last else frame, trailing, text_len, pad, max_seq, LAST=last, BLOCK=block,
-                          BLOCK_H=min(_row_block(hidden), 4096 // codes.shape[1]) if last else _row_block(hidden), C=CANDIDATES,
-                          num_warps=8 if block >= 2048 else 4, **launch_options(logits.device))
+                          BLOCK_H=code_row_block(hidden, codes.shape[1], last), C=CANDIDATES, num_warps=sampling_warps(block, config),
+                          **launch_options(config, logits.device))
 
 
 def next_token(logits: torch.Tensor, settings: "RowSampling", state: "RowState", draws_per_frame: int, suppressed: torch.Tensor, eos: int,
-               min_new_tokens: int, normed: torch.Tensor, code_predictor_input: torch.Tensor, table: torch.Tensor) -> None:
+               min_new_tokens: int, normed: torch.Tensor, code_predictor_input: torch.Tensor, table: torch.Tensor, config: KernelConfig) -> None:
     """Every row's next codebook-0 token drawn from the talker's logits [rows, V] with the reference's
     processors, and the state of the rows that ran advanced (see _next_token_kernel)."""
     rows, vocab = logits.shape
@@ -329,5 +341,5 @@ def next_token(logits: torch.Tensor, settings: "RowSampling", state: "RowState",
     _next_token_kernel[(rows,)](logits, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, state.seed_hash, state.frame,
                                 draws_per_frame, vocab, state.seen, state.penalty, suppressed, eos, min_new_tokens, state.active, state.token,
                                 state.max_frame, state.text_len, state.text_end, state.pos, state.produced, normed, code_predictor_input, table,
-                                hidden, BLOCK=block, BLOCK_H=_row_block(hidden), C=CANDIDATES, num_warps=8 if block >= 2048 else 4,
-                                **launch_options(logits.device))
+                                hidden, BLOCK=block, BLOCK_H=_row_block(hidden), C=CANDIDATES, num_warps=sampling_warps(block, config),
+                                **launch_options(config, logits.device))
