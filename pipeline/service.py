@@ -14,7 +14,7 @@ import logging
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -76,15 +76,6 @@ def content_hash(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def gpu(fn: Callable) -> Callable:
-    """`spaces.GPU` on Hugging Face ZeroGPU Spaces (where the package exists), a no-op elsewhere."""
-    try:
-        import spaces
-    except ImportError:
-        return fn
-    return spaces.GPU(fn)
-
-
 @dataclass
 class Fallback:
     """A checkpoint that could not be had, and the tiny random one serving in its place."""
@@ -104,6 +95,7 @@ class ModelInfo:
     languages: list[str]
     supports_instruct: bool
     random_weights: bool
+    stand_in: str | None = None  # what serves in the checkpoint's place (TINY: it could not be had); None: itself
 
 
 @dataclass(frozen=True)
@@ -123,6 +115,7 @@ class StreamStart:
     random_weights: bool
     warnings: list[str] = field(default_factory=list)
     backend: str | None = None  # the URL of the remote backend that generates it; None: this process
+    stand_in: str | None = None  # what serves in the checkpoint's place (TINY: it could not be had); None: itself
 
 
 @dataclass
@@ -161,8 +154,6 @@ class ModelService:
         self._voice_prompts: OrderedDict[tuple, VoicePrompt] = OrderedDict()
         self._exports = Path(tempfile.mkdtemp(prefix="qwen3-tts-voices-"))  # voice files for download
         self._running = Running()
-        # On ZeroGPU Spaces each stream runs in the GPU worker that `spaces.GPU` hands it to.
-        self.stream = gpu(self.stream)
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -172,6 +163,10 @@ class ModelService:
     def random_weights(self, model_type: str, checkpoint: str | None = None) -> bool:
         source = checkpoint or self.default_checkpoint(model_type)
         return source == TINY or source in self.fallbacks
+
+    def stand_in(self, model_type: str, checkpoint: str | None = None) -> str | None:
+        """TINY for a checkpoint that could not be had (its tab runs the tiny random one); None for one that serves itself."""
+        return TINY if (checkpoint or self.default_checkpoint(model_type)) in self.fallbacks else None
 
     def probe(self, timeout: float = 5.0) -> None:
         """Fall back now for default Hub checkpoints that are neither cached nor reachable, so the
@@ -198,12 +193,13 @@ class ModelService:
         """Load the checkpoint if needed and describe it for the tab."""
         source = checkpoint or self.default_checkpoint(model_type)
         model = self.model(model_type, source)
+        random, stand_in = self.random_weights(model_type, source), self.stand_in(model_type, source)
         if isinstance(model, OmniChat):
-            return ModelInfo(source, model_type, model.speakers, [], False, self.random_weights(model_type, source))
-        return ModelInfo(source, model_type, model.speakers, model.languages, model.supports_instruct, self.random_weights(model_type, source))
+            return ModelInfo(source, model_type, model.speakers, [], False, random, stand_in)
+        return ModelInfo(source, model_type, model.speakers, model.languages, model.supports_instruct, random, stand_in)
 
     def preload(self) -> None:
-        """Load every tab's default checkpoint now (ZeroGPU Spaces must place weights before serving)."""
+        """Load every tab's default checkpoint now, before the first request."""
         for model_type in MODEL_TYPES:
             self.model(model_type)
 
@@ -351,7 +347,8 @@ class ModelService:
         handle = tts.submit(request, voice)  # a full queue raises EngineBusy, a TTSInputError
         self._running.add(key, handle)
         try:
-            yield StreamStart(source, self.random_weights(request.model_type, source), list(handle.warnings))
+            yield StreamStart(source, self.random_weights(request.model_type, source), list(handle.warnings),
+                              stand_in=self.stand_in(request.model_type, source))
             yield from handle.events(wait)
             yield StreamEnd(handle.stopped, list(dict.fromkeys(handle.warnings)))
         finally:
@@ -367,7 +364,7 @@ class ModelService:
         reply = model.stream(request)  # a full engine queue is found later, as a TTSInputError of the stream
         self._running.add(key, reply)
         try:
-            yield StreamStart(source, self.random_weights(OMNI, source), list(reply.warnings))
+            yield StreamStart(source, self.random_weights(OMNI, source), list(reply.warnings), stand_in=self.stand_in(OMNI, source))
             end = None
             for event in reply.items(wait):
                 end = event if isinstance(event, ChatEnd) else end

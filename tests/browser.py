@@ -38,7 +38,9 @@ def skip_without_browser() -> None:
         pytest.skip(browser_missing(), allow_module_level=True)
 
 
-def open_tab(page, tab: str, max_seconds: int = 2) -> None:
+def open_tab(page, tab: str, max_seconds: int = 2, seed: str | None = "7") -> None:
+    """Open a speech tab ready to generate: its model ready, the clone tab's sample voice prepared, the
+    Advanced accordion open with the max length and the seed set (`seed=None` leaves Seed empty)."""
     page.get_by_role("tab", name=TABS[tab]).click()
     # Settings changed while the tab's load (or an example) is still being answered can be reverted
     # by Gradio's page state when the answer lands, so settle those first.
@@ -49,7 +51,12 @@ def open_tab(page, tab: str, max_seconds: int = 2) -> None:
         page.get_by_text("Voice ready").wait_for()  # the voice prompt, computed before Generate
     page.locator(f"#{tab}-advanced").click()
     set_max_seconds(page, tab, max_seconds)
-    page.locator(f"#{tab}-seed input").fill("7")
+    if seed is not None:
+        seed_field(page, tab).fill(seed)
+
+
+def seed_field(page, tab: str):
+    return page.locator(f"#{tab}-seed input, #{tab}-seed textarea").first
 
 
 def set_max_seconds(page, tab: str, seconds: int) -> None:

@@ -38,6 +38,11 @@ def run_handler(demo: gr.Blocks, api_name: str, *args) -> list[dict]:
     return list(handler(demo, api_name)(*args, gr.Request(), gr.Progress()))
 
 
+def voice_status(demo: gr.Blocks, *args) -> tuple[str, dict]:
+    """What the Voice clone tab's status line and Export button say once the voice is prepared (its last update)."""
+    return list(handler(demo, "clone_voice")(*args))[-1]
+
+
 ADVANCED = (0.9, 50, 1.0, 1.05, 7, "1, 2, 4, 8, 16", 2)  # temperature .. seed, schedule, max length 2 s
 SPEECH = "Hello there, this is a test of the streaming demo."
 
@@ -198,26 +203,24 @@ def final_audio(updates: list[dict]) -> np.ndarray:
 
 
 def test_the_clone_tab_exports_a_voice_and_imports_it_instead_of_the_reference(demo, reference_wav):
-    voice = handler(demo, "clone_voice")
     transcript = "Speak slowly and warmly."
-    status, export = voice(TINY, str(reference_wav), transcript, False, None)
+    status, export = voice_status(demo, TINY, str(reference_wav), transcript, False, None)
     assert status.startswith("Voice ready") and export["interactive"] and export["value"].endswith(".safetensors")
     exported = export["value"]
-    status, export = voice(TINY, None, "", False, exported)  # imported; the reference inputs no longer matter
+    status, export = voice_status(demo, TINY, None, "", False, exported)  # imported; the reference inputs no longer matter
     assert status == (f"**Using the imported voice** `{Path(exported).name}` (ICL with 3.2 s of reference and its transcript); "
                       "the reference audio above is not used. Clear the file to use it again.")
     assert not export["interactive"] and export["value"] is None
     from_file = final_audio(run_handler(demo, "clone_generate", *clone_args(None, "", voice_file=exported)))
     from_reference = final_audio(run_handler(demo, "clone_generate", *clone_args(reference_wav, transcript)))
     assert len(from_file) > 0 and np.array_equal(from_file, from_reference)
-    status, export = voice(TINY, str(reference_wav), transcript, False, None)  # the file cleared: the reference again
+    status, export = voice_status(demo, TINY, str(reference_wav), transcript, False, None)  # the file cleared: the reference again
     assert status.startswith("Voice ready") and export["value"] == exported
 
 
 def test_an_x_vector_only_voice_round_trips_through_the_tab(demo, reference_wav):
-    voice = handler(demo, "clone_voice")
-    _, export = voice(TINY, str(reference_wav), "", True, None)
-    status, _ = voice(TINY, None, "", False, export["value"])
+    _, export = voice_status(demo, TINY, str(reference_wav), "", True, None)
+    status, _ = voice_status(demo, TINY, None, "", False, export["value"])
     assert "(x-vector only)" in status
     from_file = final_audio(run_handler(demo, "clone_generate", *clone_args(None, "", voice_file=export["value"])))
     from_reference = final_audio(run_handler(demo, "clone_generate", *clone_args(reference_wav, "", xvec=True)))
@@ -228,7 +231,7 @@ def test_a_bad_voice_file_is_a_gr_error_with_its_sentence(demo, tmp_path):
     bad = file_with(tmp_path / "voice.safetensors", b"\x00" * 64)
     message = r"This is not a Qwen3-TTS voice file \(a .safetensors file made by Export voice or synth --save-voice-prompt\)."
     with pytest.raises(gr.Error, match=message):
-        handler(demo, "clone_voice")(TINY, None, "", False, str(bad))
+        voice_status(demo, TINY, None, "", False, str(bad))
     with pytest.raises(gr.Error, match=message):
         run_handler(demo, "clone_generate", *clone_args(None, "", voice_file=bad))
 
@@ -305,9 +308,113 @@ def test_the_panel_shows_the_queue_position_and_a_stop_before_any_audio_is_a_sto
     summaries = panel_summaries([Queued(2), Queued(0), StreamEnd(stopped=True)])
     assert summaries[0] == "Every slot of the model is busy: waiting (2 requests ahead)…"
     assert summaries[1] == "Every slot of the model is busy: waiting (next in line)…"
-    assert summaries[-1] == "Stopped before the first audio."
+    assert summaries[-1].startswith("**Stopped after ") and summaries[-1].endswith(" s**, before the first audio.")
 
 
 def test_an_utterance_that_ends_without_audio_is_an_error_not_a_stop():
     with pytest.raises(gr.Error, match="ended the utterance before producing any audio"):
         panel_summaries([StreamEnd(stopped=False)])
+
+
+def last_value(updates: list[dict], suffix: str):
+    return next(v for u in reversed(updates) for k, v in u.items() if getattr(k, "elem_id", "").endswith(suffix))
+
+
+def take_seed_shown(updates: list[dict]) -> int:
+    import re
+
+    return int(re.search(r"Seed \*\*(\d+)\*\*", last_value(updates, "-take")).group(1))
+
+
+def test_an_empty_seed_is_a_new_take_shown_after_the_run_and_typing_it_repeats_the_take(demo, service):
+    def run(seed: str) -> list[dict]:
+        args = list(custom_args(service))
+        args[-4] = seed  # the Seed field, after temperature, top-k, top-p and repetition penalty
+        return run_handler(demo, "custom_generate", *args)
+
+    first, second = run(""), run("")
+    assert take_seed_shown(first) != take_seed_shown(second)
+    assert not np.array_equal(final_audio(first), final_audio(second))
+    again = run(str(take_seed_shown(first)))
+    assert take_seed_shown(again) == take_seed_shown(first) and np.array_equal(final_audio(again), final_audio(first))
+
+
+@pytest.mark.parametrize("typed", ["seven", "1.5", "-1", str(2**32)])
+def test_a_seed_that_is_not_a_whole_number_in_range_is_one_sentence(typed):
+    with pytest.raises(gr.Error, match=r"The seed is a whole number from 0 to 4294967295 \(or empty for a new random take\), not"):
+        controls.take_seed(typed)
+
+
+def test_a_run_clears_the_last_runs_table_and_wav_as_it_starts(demo, service):
+    updates = run_handler(demo, "custom_generate", *custom_args(service))
+    first = updates[0]
+    audio = next(v for k, v in first.items() if k.elem_id.endswith("-audio"))
+    table = next(v for k, v in first.items() if k.elem_id.endswith("-table"))
+    summary = next(v for k, v in first.items() if k.elem_id.endswith("-summary"))
+    assert audio is None and table.empty and summary == "Starting…"
+
+
+def test_a_stopped_run_says_when_it_stopped_and_leaves_no_wav(service):
+    from ui.latency import LatencyPanel
+
+    speaker = service.info("custom_voice").speakers[0]
+    request = SpeechRequest(SPEECH, model_type="custom_voice", speaker=speaker, seed=1, schedule="1",
+                            max_frames=service.model("custom_voice").default_max_frames())
+    stream = service.stream(request, "session:custom:stopped")
+    start = next(stream)
+
+    def stopped_after_two_chunks():
+        chunks = 0
+        for item in stream:
+            chunks += isinstance(item, Chunk)
+            if chunks == 2:
+                service.stop("session:custom:stopped")
+            yield item
+
+    with gr.Blocks():
+        panel = LatencyPanel.create("unit")
+    updates = list(panel.stream(start, stopped_after_two_chunks(), "", time.perf_counter(), stop=lambda: None))
+    assert "Stopped after" in updates[-1][panel.summary] and "a stopped run leaves no WAV" in updates[-1][panel.summary]
+    assert updates[-1][panel.audio] is None and not any(u.get(panel.audio) is not None for u in updates)
+
+
+def test_a_stop_while_the_checkpoint_loads_ends_the_run_before_it_streams(demo, service):
+    """Stop reaches a run before its stream exists (while its checkpoint loads): the run ends there."""
+    from ui.controls import STOPS, run_key
+
+    request, run_id = gr.Request(), "stop-while-loading"
+    run = handler(demo, "custom_generate")(*custom_args(service)[:-1], run_id, request, gr.Progress())
+    next(run)  # the first update: the panel cleared, "Starting…"; the checkpoint is checked next
+    STOPS.stop(run_key(request, "custom", run_id))
+    updates = list(run)
+    summary = next(v for k, v in updates[-1].items() if k.elem_id.endswith("-summary"))
+    assert summary.startswith("**Stopped after ") and summary.endswith("before the first audio.")
+    assert not any(getattr(k, "elem_id", "").endswith("-table") and len(v) for u in updates for k, v in u.items())
+
+
+def test_a_checkpoint_that_could_not_be_had_is_shown_by_the_name_of_the_one_serving(tiny_checkpoints, tmp_path):
+    missing = str(tmp_path / "no-such-checkpoint")
+    service = ModelService({"voice_design": (missing,)}, tiny_dir=Path(tiny_checkpoints["base"]).parent)
+    demo = build_demo(service)
+    said = []
+
+    class Shown(gr.Progress):  # what the load tells the page while it lasts
+        def __call__(self, progress, desc=None, *args, **kwargs):
+            said.append(desc)
+
+    _, status, _, picker = handler(demo, "design_load")(missing, "auto", Shown())
+    assert said == [f"Loading {missing} (first use of this checkpoint)…"]
+    assert status.startswith(f"Ready: built-in tiny random checkpoint (in place of {missing})") and "random weights (noise)" in status
+    assert picker["choices"] == [(f"built-in tiny random checkpoint (in place of {missing})", missing)]
+    start = next(service.stream(SpeechRequest(SPEECH, model_type="voice_design", instruct="A calm voice.", seed=1)))
+    assert start.checkpoint == missing and start.stand_in == TINY
+
+
+def test_a_stop_that_cancels_its_run_reports_what_the_player_had():
+    from ui.latency import LatencyPanel
+
+    with gr.Blocks():
+        panel = LatencyPanel.create("unit")
+    update = panel.stopped_update({"after_s": 2.44, "audio_s": 1.52, "chunks": 6})
+    assert update == {panel.summary: "**Stopped after 2.4 s**, with 1.52 s of audio in 6 chunks; a stopped run leaves no WAV.", panel.audio: None}
+    assert panel.stopped_update(None) == {panel.summary: gr.skip(), panel.audio: gr.skip()}  # Stop after the end: the finished run stays

@@ -186,18 +186,21 @@ def test_the_chat_api_says_how_many_turns_were_dropped(omni_service):
 def test_stop_before_the_reply_leaves_no_empty_bubble(omni_service):
     import gradio as gr
 
+    from ui import omni_chat
     from ui.app import build_demo
 
     demo = build_demo(omni_service)
     send = next(fn.fn for fn in demo.fns.values() if fn.api_name == "omni_send")
-    updates = send(omni_service.default_checkpoint("omni"), "Chelsie", "", 6, 3, "Hello there", None, [], [], "", "", gr.Request(), gr.Progress())
-    first = next(updates)  # shown as the thinker starts to read the conversation
+    updates = send(omni_service.default_checkpoint("omni"), "Chelsie", "", 6, 3, "Hello there", None, [], "", "", "", gr.Request(), gr.Progress())
+    def turns(update: dict) -> list | None:
+        return next((v for k, v in update.items() if isinstance(k, gr.State) and isinstance(v, list)), None)
+
+    first = next(update for update in updates if turns(update) is not None)  # the message taken, as the thinker starts to read it
     omni_service.stop(":omni:")  # Stop: the reply ends, and gradio cancels the handler
     updates.close()
     for thread in threading.enumerate():  # the stopped reply's thinker finishes the prefill it is in
         if thread.name.startswith("omni-"):
             thread.join()
-    chatbot = next(value for key, value in first.items() if getattr(key, "elem_id", "") == "omni-chatbot")
-    assert chatbot == [{"role": "user", "content": "Hello there"}]  # the message, and no reply bubble
-    state = next(value for key, value in first.items() if isinstance(key, gr.State))
-    assert state == [{"role": "user", "text": "Hello there", "audio": None}]  # the next message's context holds it too
+    state = turns(first)
+    assert state == [{"role": "user", "text": "Hello there", "audio": None}]  # the next message's context holds it
+    assert omni_chat.chat_messages(state) == [{"role": "user", "content": "Hello there"}]  # the chat shows it, and no reply bubble

@@ -4,7 +4,9 @@ The audio equals the backend's engine's for the same seed, Stop frees the backen
 messages reach the user verbatim, and a backend that is unreachable, killed mid-stream or given a
 wrong key is named in a clear message while the UI keeps serving."""
 import base64
+import html
 import json
+import re
 import os
 import signal
 import subprocess
@@ -318,10 +320,11 @@ def test_the_ui_names_a_backend_killed_mid_stream_and_serves_again_once_it_is_ba
 def test_the_omni_tab_over_the_backend(remote_app, backend):
     _, url, _ = remote_app
     _, service = backend
-    outputs = list(Client(url, verbose=False).submit(TINY, "Chelsie", "You are brief.", 6, 3, "Hello there", None, [], "", "", api_name="/omni_send"))
-    reply = [o[2] for o in outputs if isinstance(o[2], list)][-1][-1]["content"][0]["text"]
-    stats = [o[4] for o in outputs if isinstance(o[4], str) and o[4]][-1]
-    summary = [o[5] for o in outputs if isinstance(o[5], str)][-1]  # the conversation state is not an output of the API
+    outputs = list(Client(url, verbose=False).submit(TINY, "Chelsie", "You are brief.", 6, "3", "Hello there", None, "", "", api_name="/omni_send"))
+    # outputs: message, voice input, the live reply (HTML), stats, then the panel: summary, take, table, plot, WAV
+    reply = [html.unescape(re.sub("<[^>]+>", "", o[2])) for o in outputs if isinstance(o[2], str) and o[2]][-1].strip()
+    stats = [o[3] for o in outputs if isinstance(o[3], str) and o[3]][-1]
+    summary = [o[4] for o in outputs if isinstance(o[4], str)][-1]  # the conversation state is not an output of the API
     assert "(measured here)" in stats and "tokens" not in stats and "measured here: first audio bytes from" in summary
     local = service.chat(ChatRequest([Turn("user", "Hello there")], system="You are brief.", speaker="Chelsie", seed=3, max_new_tokens=6))
     assert reply == next(i for i in local if isinstance(i, ChatEnd)).text.strip() != ""  # the same weights here and on the backend

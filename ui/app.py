@@ -25,6 +25,14 @@ CSS = """
 .speech-token.speaking { background: #ffe08a; color: #1a1300; border-radius: 3px; }
 #banner { border-left: 6px solid #e8a400; padding-left: 1em; background: #fff8e1; color: #3d2e00; }
 """
+# Phones: Gradio's side margins (32 px each) take a sixth of a 390 px screen; a third of that leaves
+# the forms, the live strip and the chunk table their width. Served in <head>: Gradio rewrites the
+# `css` of `launch` to apply inside the page's content only, where the margins are not.
+PHONE_CSS = """
+@media (max-width: 600px) {
+  .gradio-container .main.app { padding-left: var(--size-3); padding-right: var(--size-3); }
+}
+"""
 
 
 def build_demo(service: controls.Service, sessions: Sessions | None = None) -> gr.Blocks:
@@ -35,14 +43,18 @@ def build_demo(service: controls.Service, sessions: Sessions | None = None) -> g
     with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:
         banner = gr.Markdown(controls.banner_markdown(service), visible=bool(controls.banner_markdown(service)), elem_id="banner")
         gr.Markdown(INTRO)
-        with gr.Tabs() as page_tabs:
+        # "wrap": on a narrow screen the tab bar takes more rows; Gradio's default hides the tabs that do
+        # not fit behind a "⋯" menu, where a newcomer on a phone does not find them.
+        with gr.Tabs(overflow_behavior="wrap", elem_id="page-tabs"):
             tabs = [module.build(service, banner) for module in modules]
             listen = listening.build(sessions)
         for parts in tabs:
             controls.wire_loading(parts)
         first = tabs[0]  # the tab on screen at page load is "first used" as the page opens
-        demo.load(first.load, inputs=first.load_inputs, outputs=first.load_outputs, api_visibility="private")
-        demo.load(listening.from_link, outputs=[page_tabs, listen.views, listen.session, listen.listener], api_visibility="private")
+        # The load's progress shows on the tab's status line alone, never over the banner and the intro.
+        demo.load(first.load, inputs=first.load_inputs, outputs=first.load_outputs, show_progress_on=first.status, api_visibility="private")
+        demo.load(None, js=listening.OPEN_FROM_LINK_JS)
+        demo.load(listening.from_link, outputs=[listen.session, listen.listener], show_progress="hidden", api_visibility="private")
     return demo
 
 
@@ -52,7 +64,7 @@ def launch_options(service: ModelService | None = None, access: Access | None = 
     access = access or Access()  # one for both: a client's requests in flight are counted over all routes
     api = [*speech_routes(service, access), *chat_routes(service, access)] if service is not None else []
     return {
-        "head": player_head(),
+        "head": f"{player_head()}<style>{PHONE_CSS}</style>",
         "css": CSS,
         "theme": gr.themes.Soft(),
         "max_file_size": MAX_UPLOAD_BYTES,

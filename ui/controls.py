@@ -3,6 +3,7 @@ accordion, Generate / Stop, and the one generation handler they all feed."""
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import gradio as gr
 from pipeline.remote import RemoteService
 from pipeline.request import MAX_SEED
 from pipeline.service import DEFAULT_SCHEDULE, TINY, TYPE_NAMES, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
-from ui.latency import LatencyPanel
+from ui.latency import LatencyPanel, checkpoint_label
 from ui.errors import input_error, warn
 
 Service = ModelService | RemoteService  # models in this process, or a backend's over HTTP: the same methods
@@ -30,7 +31,7 @@ class Advanced:
     top_k: gr.Slider
     top_p: gr.Slider
     repetition_penalty: gr.Slider
-    seed: gr.Number
+    seed: gr.Textbox
     schedule: gr.Textbox
     max_seconds: gr.Slider
 
@@ -43,7 +44,7 @@ class Advanced:
                 top_p = gr.Slider(0.05, 1.0, value=DEFAULTS.top_p, step=0.05, label="Top-p")
                 repetition_penalty = gr.Slider(1.0, 1.5, value=DEFAULTS.repetition_penalty, step=0.01, label="Repetition penalty")
             with gr.Row():
-                seed = gr.Number(value=None, precision=0, label="Seed", info="Empty: a new random take each time.", elem_id=f"{name}-seed")
+                seed = seed_box(name, "Empty: a new random take each time; the seed of each take is shown after Generate.")
                 schedule = gr.Textbox(
                     ", ".join(map(str, DEFAULT_SCHEDULE)),
                     label="Chunk schedule (frames per chunk, 80 ms each; the last repeats)",
@@ -70,26 +71,49 @@ class TabParts:
     load_inputs: list[gr.components.Component]
     load_outputs: list[gr.components.Component]
 
+    @property
+    def status(self) -> gr.components.Component:
+        """The tab's status line under the picker (`model_status`), where the load shows what it is doing."""
+        return next(c for c in self.load_outputs if c.elem_id == f"{self.name}-model-status")
+
+
+def seed_box(name: str, info: str) -> gr.Textbox:
+    """The Seed field, empty by default. A text box, not gr.Number: Gradio 6.31's Number sets an empty
+    value to 0 as it mounts (`value ??= 0` in its frontend), so it shows 0 and sends 0, and every
+    default run would repeat one take."""
+    return gr.Textbox("", label="Seed", placeholder="random", max_lines=1, info=info, elem_id=f"{name}-seed")
+
 
 def sampling_fields(
-    temperature: float, top_k: float, top_p: float, penalty: float, seed: float | None, schedule: str, max_seconds: float
+    temperature: float, top_k: float, top_p: float, penalty: float, seed: str | float | None, schedule: str, max_seconds: float
 ) -> dict:
-    """The Advanced accordion's values as SpeechRequest fields; the max length's default (its right end) is the checkpoint's own."""
+    """The Advanced accordion's values as SpeechRequest fields; the max length's default (its right end)
+    is the checkpoint's own; an empty seed is a new random one (`take_seed`)."""
     return {
         "max_frames": None if float(max_seconds) >= MAX_SECONDS else max(1, round(float(max_seconds) * FRAMES_PER_SECOND)),
         "temperature": float(temperature),
         "top_k": int(top_k),
         "top_p": float(top_p),
         "repetition_penalty": float(penalty),
-        "seed": None if seed is None else float(seed),
+        "seed": take_seed(seed),
         "schedule": schedule or "",
     }
 
 
-def take_seed(value: float | None) -> int:
+def take_seed(value: str | float | None) -> int:
     """The seed a run uses: the one typed, or a new random one when the field is empty, so that every
-    default run is a new take and the seed shown after it repeats that take."""
-    return secrets.randbelow(MAX_SEED + 1) if value is None else int(value)
+    default run is a new take and the seed shown after it repeats that take. Anything else typed is
+    a gr.Error naming what a seed is."""
+    text = "" if value is None else str(value).strip()
+    if not text:
+        return secrets.randbelow(MAX_SEED + 1)
+    try:
+        number = float(text)
+    except ValueError:
+        number = float("nan")
+    if not number.is_integer() or not 0 <= number <= MAX_SEED:
+        raise input_error(f"The seed is a whole number from 0 to {MAX_SEED} (or empty for a new random take), not '{text}'.")
+    return int(number)
 
 
 def keep_or_first(value: str | None, choices: list[str]) -> str | None:
@@ -100,14 +124,26 @@ def language_update(info: ModelInfo, current: str | None = "auto") -> dict:
     return gr.update(choices=info.languages, value=keep_or_first(current, info.languages))
 
 
-def checkpoint_label(name: str) -> str:
-    return "built-in tiny random checkpoint" if name == TINY else name
+def stand_in(service: Service, model_type: str, checkpoint: str) -> str | None:
+    """What serves in `checkpoint`'s place in this process (the tiny random checkpoint, once it could not
+    be had); a backend's checkpoints serve themselves."""
+    return service.stand_in(model_type, checkpoint) if isinstance(service, ModelService) else None
+
+
+def picker_choices(service: Service, model_type: str) -> list[tuple[str, str]]:
+    """The picker's (label, checkpoint) pairs: a checkpoint that could not be had is labelled by the one serving instead."""
+    return [(checkpoint_label(c, stand_in(service, model_type, c)), c) for c in service.choices[model_type]]
+
+
+def picker_update(service: Service, model_type: str) -> dict:
+    """The picker relabelled after a load, which may have found that its checkpoint could not be had."""
+    return gr.update(choices=picker_choices(service, model_type))
 
 
 def checkpoint_picker(service: Service, model_type: str, name: str) -> gr.Dropdown:
     choices = service.choices[model_type]
     return gr.Dropdown(
-        [(checkpoint_label(c), c) for c in choices],
+        picker_choices(service, model_type),
         value=choices[0],
         label="Checkpoint",
         info="Loaded on first use, then shared by every visitor.",
@@ -117,12 +153,12 @@ def checkpoint_picker(service: Service, model_type: str, name: str) -> gr.Dropdo
 
 
 def model_status(name: str) -> gr.Markdown:
-    return gr.Markdown("", elem_id=f"{name}-model-status")
+    return gr.Markdown("", elem_id=f"{name}-model-status", elem_classes=["model-status"])
 
 
 def status_text(info: ModelInfo) -> str:
     """One line on the loaded checkpoint, shown under the picker once the tab's model is ready."""
-    parts = [f"Ready: {checkpoint_label(info.checkpoint)}"]
+    parts = [f"Ready: {checkpoint_label(info.checkpoint, info.stand_in)}"]
     if len(info.languages) > 1:  # besides "auto"; a vLLM-Omni backend does not list them
         parts.append(f"{len(info.languages) - 1} languages")
     if info.speakers:
@@ -197,10 +233,15 @@ def banner_update(service: Service) -> dict:
     return gr.update(value=text, visible=bool(text))
 
 
+def loading_text(service: Service, model_type: str, checkpoint: str) -> str:
+    return f"Loading {checkpoint_label(checkpoint, stand_in(service, model_type, checkpoint))} (first use of this checkpoint)…"
+
+
 def load_checkpoint(service: Service, model_type: str, checkpoint: str, progress: gr.Progress) -> ModelInfo:
-    """Load (first use) and describe a checkpoint; download progress shows through tqdm tracking."""
+    """Load (first use) and describe a checkpoint: what it does shows on the tab's status line, a
+    download's progress through tqdm tracking. (Gradio shows the text only beside a bar, hence the 0.)"""
     if not service.is_loaded(model_type, checkpoint):
-        progress(0, desc=f"Loading {checkpoint_label(checkpoint)} (first use of this checkpoint)…")
+        progress(0, desc=loading_text(service, model_type, checkpoint))
     try:
         return service.info(model_type, checkpoint)
     except TTSInputError as exc:
@@ -212,7 +253,7 @@ def model_loader(service: Service, model_type: str):
 
     def load(name: str, current_language: str, progress=gr.Progress(track_tqdm=True)):
         info = load_checkpoint(service, model_type, name, progress)
-        return banner_update(service), status_text(info), language_update(info, current_language)
+        return banner_update(service), status_text(info), language_update(info, current_language), picker_update(service, model_type)
 
     return load
 
@@ -225,19 +266,33 @@ def generation(
     request: gr.Request | None,
     progress: gr.Progress,
 ) -> Iterator[dict]:
-    """The generation handler's body, one per tab: validate, warn, then stream into the panel."""
+    """The generation handler's body, one per tab: clear the last run from the panel and say what
+    happens (and the seed of this take), validate, warn, then stream into the panel."""
     received = time.perf_counter()
     panel.begin(run_id)
     key = run_key(request, panel.name, run_id)
+    checkpoint = speech.checkpoint or service.default_checkpoint(speech.model_type)
     try:
-        load_checkpoint(service, speech.model_type, speech.checkpoint or service.default_checkpoint(speech.model_type), progress)
+        STOPS.begin(key)
+        loaded = service.is_loaded(speech.model_type, checkpoint)
+        yield panel.starting(speech.seed, "Starting…" if loaded else loading_text(service, speech.model_type, checkpoint))
+        load_checkpoint(service, speech.model_type, checkpoint, progress)
+        if STOPS.stopped(key):
+            yield panel.stopped(received)
+            return
         stream = service.stream(speech, key)
         start = open_stream(stream)
+        if STOPS.stopped(key):  # pressed while the stream started: it has a handle to stop now
+            service.stop(key)
         try:
             yield from panel.stream(start, stream, run_id, received, stop=lambda: service.stop(key))
         finally:
             stream.close()
+    except gr.Error as exc:  # the toast says it too; the strip must not go on saying "Starting…"
+        yield {panel.summary: f"**Not generated:** {exc.message}"}
+        raise
     finally:
+        STOPS.end(key)
         panel.end(run_id)
 
 
@@ -252,15 +307,50 @@ def open_stream(stream: Iterator) -> StreamStart:
     return start
 
 
+class StopRequests:
+    """The runs of this process between their click and their end, and those of them that Stop reached:
+    a Stop that comes before a run's stream exists (while its checkpoint loads, or its voice is
+    prepared) has no stream to end, so the run looks here before it starts streaming."""
+
+    def __init__(self) -> None:
+        self._running: set[str] = set()
+        self._stopped: set[str] = set()
+        self._lock = threading.Lock()
+
+    def begin(self, key: str) -> None:
+        with self._lock:
+            self._running.add(key)
+
+    def stop(self, key: str) -> None:
+        with self._lock:
+            if key in self._running:
+                self._stopped.add(key)
+
+    def stopped(self, key: str) -> bool:
+        with self._lock:
+            return key in self._stopped
+
+    def end(self, key: str) -> None:
+        with self._lock:
+            self._running.discard(key)
+            self._stopped.discard(key)
+
+
+STOPS = StopRequests()
+
+
 def run_key(request: gr.Request | None, tab: str, run_id: str) -> str:
     # A run is known by browser session, tab and run id: Stop must reach this run and no other.
     return f"{getattr(request, 'session_hash', None) or ''}:{tab}:{run_id or ''}"
 
 
 def wire_loading(parts: TabParts) -> None:
-    """A tab's checkpoint loads when the tab is first opened or another checkpoint is picked."""
-    parts.tab.select(parts.load, inputs=parts.load_inputs, outputs=parts.load_outputs, api_visibility="private")
-    parts.checkpoint.change(parts.load, inputs=parts.load_inputs, outputs=parts.load_outputs, api_name=f"{parts.name}_load")
+    """A tab's checkpoint loads when the tab is first opened or another checkpoint is picked. What the
+    load is doing shows once, on the tab's status line: by default Gradio draws it over every output
+    (the banner, the status, the language and speaker pickers), four copies at once."""
+    parts.tab.select(parts.load, inputs=parts.load_inputs, outputs=parts.load_outputs, show_progress_on=parts.status, api_visibility="private")
+    parts.checkpoint.change(parts.load, inputs=parts.load_inputs, outputs=parts.load_outputs, show_progress_on=parts.status,
+                            api_name=f"{parts.name}_load")
 
 
 def wire_buttons(
@@ -274,7 +364,7 @@ def wire_buttons(
     """Generate runs `handler` at once for every visitor: the model's engine batches the utterances and
     queues what does not fit (the panel shows the position); Stop silences the player, stops the
     stream and frees the engine's row within a frame."""
-    event = generate.click(
+    generate.click(
         handler,
         inputs=inputs + [panel.run_id],
         outputs=panel.outputs,
@@ -285,6 +375,10 @@ def wire_buttons(
     )
 
     def stop_stream(run_id: str, request: gr.Request) -> None:
-        service.stop(run_key(request, panel.name, run_id))
+        key = run_key(request, panel.name, run_id)
+        STOPS.stop(key)
+        service.stop(key)
 
-    stop.click(stop_stream, inputs=panel.run_id, js=panel.stop_js(), cancels=[event], queue=False, api_name=f"{panel.name}_stop")
+    # Not a cancel of the run's event: the stopped stream ends within a frame, and the run's own last
+    # update ("Stopped after X s", the WAV cleared) comes after every update before it.
+    stop.click(stop_stream, inputs=panel.run_id, js=panel.stop_js(), queue=False, api_name=f"{panel.name}_stop")

@@ -5,7 +5,7 @@ import gradio as gr
 
 from pipeline.service import ModelInfo, SpeechRequest
 from ui import controls
-from ui.latency import LatencyPanel
+from ui.latency import LatencyPanel, LiveStrip
 
 NAME = "custom"
 MODEL_TYPE = "custom_voice"
@@ -39,12 +39,14 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
                 language = controls.language_picker(NAME)
                 advanced = controls.Advanced.create(NAME)
                 generate, stop = controls.buttons(NAME)
-        panel = LatencyPanel.create(NAME)
+                strip = LiveStrip.create(NAME)  # under the buttons: a run is seen to start where the click is
+        panel = LatencyPanel.create(NAME, strip)
 
     def load(name: str, current_language: str, current_speaker: str | None, progress=gr.Progress(track_tqdm=True)):
         info = controls.load_checkpoint(service, MODEL_TYPE, name, progress)
         speakers = gr.update(choices=info.speakers, value=controls.keep_or_first(current_speaker, info.speakers))
-        return controls.banner_update(service), controls.status_text(info), controls.language_update(info, current_language), speakers, instruct_update(info)
+        return (controls.banner_update(service), controls.status_text(info), controls.language_update(info, current_language), speakers,
+                instruct_update(info), controls.picker_update(service, MODEL_TYPE))
 
     def speak(name, speaker_name, instruction, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
               request: gr.Request, progress=gr.Progress(track_tqdm=True)):
@@ -56,4 +58,4 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
 
     inputs = [checkpoint, speaker, instruct, text, language, *advanced.inputs]
     controls.wire_buttons(service, panel, generate, stop, speak, inputs)
-    return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language, speaker], [banner, model_status, language, speaker, instruct])
+    return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language, speaker], [banner, model_status, language, speaker, instruct, checkpoint])

@@ -1,5 +1,7 @@
-"""The reusable latency panel: a live PCM player, a per-chunk latency table and plot, a summary
-line, and the full utterance as a WAV at the end.
+"""The reusable latency panel: a live strip (the PCM player's line, the summary, the seed of the
+take), a per-chunk latency table and plot, and the full utterance as a WAV at the end. The strip
+can stand apart from the rest (under the Generate button, where the click is) so that a run is
+seen to start without scrolling.
 
 Each chunk's audio goes out as raw 16-bit PCM on the run's HTTP stream (`ui/pcm_stream.py`) the
 moment it is ready, and `ui/player.js` schedules it gaplessly on a WebAudio context; the table,
@@ -19,7 +21,7 @@ import gradio as gr
 import numpy as np
 import pandas as pd
 
-from pipeline.service import Chunk, Queued, StreamEnd, StreamStart, TTSInputError
+from pipeline.service import TINY, Chunk, Queued, StreamEnd, StreamStart, TTSInputError
 from ui.pcm_stream import CHANNELS, ROUTE, RUN_ID
 from ui.errors import input_error, toast_text, warn
 
@@ -30,11 +32,39 @@ TABLE_HEADERS = ["chunk", "frames", "generate ms", "vocode ms", "ms since reques
 UPDATE_INTERVAL_S = 0.25
 PUMP_JOIN_S = 5.0  # a stopped stream ends within a frame; the bound only guards against a stuck worker
 IDLE_TEXT = "Press Generate: the audio plays here while it is generated."
+# The two first-audio figures side by side: where each is measured and what it includes.
+LEGEND = ("<b>First sound</b>: from your click until the first audio reaches the speakers, measured in this browser. "
+          "<b>TTFA</b> (time to first audio): from the request's arrival until the model has made the first audio chunk, measured on the server.")
+CSS = """
+/* A tab's status line, where a checkpoint's first load says what it is doing: room for Gradio's
+   progress text and bar (or its spinner) while they show, one line otherwise. */
+.model-status { min-height: 2.5em; }
+.model-status:has(> [data-testid=status-tracker]:not(.hide)) { min-height: 84px; }
+/* The strip keeps the height its figures take from the click on, so that scrolling it into view at
+   the click leaves it in view when they arrive. */
+.pcm-summary { min-height: 3.4em; }
+.pcm-take { min-height: 1.6em; }
+.pcm-legend { font-size: 0.8em; opacity: 0.75; margin-top: 0.25em; line-height: 1.35; }
+/* Narrow screens (phones): the table keeps the columns a reader needs (chunk, ms since the request,
+   RTF) and drops the per-stage times, which the plot under it shows; the strip's figures wrap. */
+@media (max-width: 600px) {
+  .pcm-table th:nth-child(2), .pcm-table td:nth-child(2),
+  .pcm-table th:nth-child(3), .pcm-table td:nth-child(3),
+  .pcm-table th:nth-child(4), .pcm-table td:nth-child(4) { display: none; }
+}
+"""
 
 
 def player_head() -> str:
-    """The <head> script that creates the shared AudioContext at page load (see player.js for why)."""
-    return f"<script>{PLAYER_JS.read_text(encoding='utf-8')}</script>"
+    """The <head> script that creates the shared AudioContext at page load (see player.js for why),
+    and the panel's styles."""
+    return f"<script>{PLAYER_JS.read_text(encoding='utf-8')}</script><style>{CSS}</style>"
+
+
+def player_html(name: str) -> str:
+    """The player's line (ui/player.js writes its status) and the legend of its figures."""
+    return (f'<div class="pcm-player"><span class="pcm-status">{IDLE_TEXT}</span>'
+            f'<div class="pcm-legend" id="{name}-legend">{LEGEND}</div></div>')
 
 
 def pcm16(audio: np.ndarray) -> np.ndarray:
@@ -42,10 +72,18 @@ def pcm16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
 
 
+def checkpoint_label(name: str, stand_in: str | None = None) -> str:
+    """A checkpoint as the page names it: the built-in tiny random one by that name, also where it
+    stands in for a checkpoint that could not be had."""
+    if name == TINY:
+        return "built-in tiny random checkpoint"
+    return f"built-in tiny random checkpoint (in place of {name})" if stand_in == TINY else name
+
+
 def summary_text(start: StreamStart, chunks: list[Chunk], first_sent_ms: float | None, done: bool, warnings: list[str] = ()) -> str:
     """The line under the player; `warnings` (what the stream's end said, e.g. text left unspoken) stay on it after the toasts fade."""
     if not chunks:
-        return f"Generating with `{start.checkpoint}`{f' on {start.backend}' if start.backend else ''}…"
+        return f"Generating with {checkpoint_label(start.checkpoint, start.stand_in)}{f' on {start.backend}' if start.backend else ''}…"
     last = chunks[-1]
     speed = f"{1 / last.rtf:.1f}× real time" if last.rtf > 0 else "instant"
     rtf = f"{'final' if done else 'running'} RTF **{last.rtf:.3f}** ({speed})"
@@ -53,8 +91,19 @@ def summary_text(start: StreamStart, chunks: list[Chunk], first_sent_ms: float |
     where = f"measured here: first audio bytes from `{start.backend}`; generate and vocode ms not reported" if start.backend else "model"
     return (
         f"TTFA **{chunks[0].elapsed_ms:.0f} ms** ({where}) · first chunk sent {first_sent_ms:.0f} ms after the request arrived · "
-        f"{rtf} · {last.audio_seconds:.2f} s of audio in {len(chunks)} chunks · `{start.checkpoint}`"
+        f"{rtf} · {last.audio_seconds:.2f} s of audio in {len(chunks)} chunks · {checkpoint_label(start.checkpoint, start.stand_in)}"
     ) + "".join(f"\n\n**Warning:** {toast_text(warning)}" for warning in warnings)
+
+
+def stopped_text(after_s: float, audio_s: float, chunks: int) -> str:
+    """The summary of a run that Stop ended: when, and how much audio it had made (a stopped run has no WAV)."""
+    if not chunks:
+        return f"**Stopped after {after_s:.1f} s**, before the first audio."
+    return f"**Stopped after {after_s:.1f} s**, with {audio_s:.2f} s of audio in {chunks} chunk{'s' if chunks > 1 else ''}; a stopped run leaves no WAV."
+
+
+def take_text(seed: int) -> str:
+    return f"Seed **{seed}**: type it in Seed (under Advanced) to hear this take again."
 
 
 def ms_cell(ms: float | None) -> float | str:
@@ -80,35 +129,71 @@ def plot_frame(chunks: list[Chunk]) -> pd.DataFrame:
 
 
 @dataclass
+class LiveStrip:
+    """What shows a run start and stream: the player's line, the summary and the seed of the take.
+    Placed under the Generate button, it is on screen when the click is."""
+
+    run_id: gr.Textbox  # input: the run id the Generate click's JS made
+    stopped: gr.JSON  # input of a Stop: what the player had when it was pressed (None: no run was streaming)
+    player: gr.HTML
+    summary: gr.Markdown
+    take: gr.Markdown
+
+    @classmethod
+    def create(cls, name: str) -> "LiveStrip":
+        with gr.Column(elem_id=f"{name}-strip"):
+            run_id = gr.Textbox(visible=False)
+            stopped = gr.JSON(visible=False)
+            player = gr.HTML(player_html(name), elem_id=f"{name}-player")
+            summary = gr.Markdown("", elem_id=f"{name}-summary", elem_classes=["pcm-summary"])
+            take = gr.Markdown("", elem_id=f"{name}-take", elem_classes=["pcm-take"])
+        return cls(run_id, stopped, player, summary, take)
+
+
+@dataclass
 class LatencyPanel:
     """The components of one panel; `create` builds them inside the current Blocks context."""
 
     name: str
-    run_id: gr.Textbox  # input: the run id the Generate click's JS made
-    player: gr.HTML
-    summary: gr.Markdown
+    strip: LiveStrip
     table: gr.Dataframe
     plot: gr.LinePlot
     audio: gr.Audio
 
     @classmethod
-    def create(cls, name: str) -> "LatencyPanel":
-        run_id = gr.Textbox(visible=False)
-        player = gr.HTML(f'<div class="pcm-player"><span class="pcm-status">{IDLE_TEXT}</span></div>', elem_id=f"{name}-player")
-        summary = gr.Markdown("", elem_id=f"{name}-summary")
+    def create(cls, name: str, strip: LiveStrip | None = None) -> "LatencyPanel":
+        """The panel, its live strip made here unless one was made elsewhere (under the buttons)."""
+        strip = strip or LiveStrip.create(name)
         with gr.Row(equal_height=True):
             table = gr.Dataframe(
-                headers=TABLE_HEADERS, label="Chunks as they arrive", interactive=False, elem_id=f"{name}-table", scale=3
+                headers=TABLE_HEADERS, label="Chunks as they arrive", interactive=False, elem_id=f"{name}-table", elem_classes=["pcm-table"],
+                scale=3, min_width=300,
             )
             plot = gr.LinePlot(
-                plot_frame([]), x="chunk", y="ms", color="stage", label="Per-chunk latency (ms)", elem_id=f"{name}-plot", scale=2
+                plot_frame([]), x="chunk", y="ms", color="stage", label="Per-chunk latency (ms)", elem_id=f"{name}-plot", scale=2, min_width=300,
             )
         audio = gr.Audio(label="Full utterance (WAV, downloadable)", type="numpy", format="wav", interactive=False, elem_id=f"{name}-audio")
-        return cls(name, run_id, player, summary, table, plot, audio)
+        return cls(name, strip, table, plot, audio)
+
+    @property
+    def run_id(self) -> gr.Textbox:
+        return self.strip.run_id
+
+    @property
+    def player(self) -> gr.HTML:
+        return self.strip.player
+
+    @property
+    def summary(self) -> gr.Markdown:
+        return self.strip.summary
+
+    @property
+    def take(self) -> gr.Markdown:
+        return self.strip.take
 
     @property
     def outputs(self) -> list[gr.components.Component]:
-        return [self.summary, self.table, self.plot, self.audio]
+        return [self.summary, self.table, self.plot, self.audio, self.take]  # the take last: API clients find the WAV where it was
 
     def arm_js(self, pass_interrupted: bool = False) -> str:
         """JS of the Generate click: unlock the audio, open the run's PCM stream, and pass the run id
@@ -119,9 +204,29 @@ class LatencyPanel:
         interrupted = f"args[args.length - 2] = {player}.stats ? {player}.stats.run : ''; " if pass_interrupted else ""
         return f"(...args) => {{ {interrupted}args[args.length - 1] = {player}.arm('{url}'); return args; }}"
 
-    def stop_js(self) -> str:
-        """JS of the Stop click: silence the player and pass the stopped run's id to the server."""
-        return f"() => [window.qwenTTS.player('{self.name}').stop()]"
+    def stop_js(self, report: bool = False) -> str:
+        """JS of the Stop click: silence the player and pass the stopped run's id to the server; with
+        `report`, also what the run had made (the input after it, for `stopped_update`)."""
+        player = f"window.qwenTTS.player('{self.name}')"
+        if report:
+            return f"() => {{ const made = {player}.progress(); return [{player}.stop(), made]; }}"
+        return f"() => [{player}.stop()]"
+
+    def starting(self, seed: int | None, text: str) -> dict:
+        """The panel as a run starts: the last run's table, plot and WAV cleared, what happens now, and the seed."""
+        return {self.summary: text, self.take: "" if seed is None else take_text(seed), self.table: table_frame([]),
+                self.plot: plot_frame([]), self.audio: None}
+
+    def stopped_update(self, made: dict | None) -> dict:
+        """For a Stop that cancels its run's event (whose own last update then never comes): the summary
+        from what the player had (`made`), and the WAV cleared; nothing changes when no run was streaming."""
+        if not made:
+            return {self.summary: gr.skip(), self.audio: gr.skip()}
+        return {self.summary: stopped_text(float(made["after_s"]), float(made["audio_s"]), int(made["chunks"])), self.audio: None}
+
+    def stopped(self, received: float) -> dict:
+        """The panel of a run that Stop ended before its stream started (while its checkpoint loaded)."""
+        return {self.summary: stopped_text(time.perf_counter() - received, 0.0, 0), self.audio: None}
 
     def begin(self, run_id: str) -> None:
         """The run `run_id` has started: the page's PCM stream of it may attach (first thing in a handler)."""
@@ -146,12 +251,12 @@ class LatencyPanel:
         pump = threading.Thread(target=self._pump, args=(chunks, run_id, live, received, arrived), name=f"{self.name}-pcm", daemon=True)
         pump.start()
         try:
-            yield from self._updates(start, arrived, on_event)
+            yield from self._updates(start, arrived, received, on_event)
         finally:  # Stop, a closed page or an error: end generation within a frame, then the pump
             stop()
             pump.join(PUMP_JOIN_S)
 
-    def _updates(self, start: StreamStart, arrived: queue.Queue, on_event: Callable[[object], dict] | None) -> Iterator[dict]:
+    def _updates(self, start: StreamStart, arrived: queue.Queue, received: float, on_event: Callable[[object], dict] | None) -> Iterator[dict]:
         done: list[Chunk] = []
         rows: list[list] = []
         first_sent_ms = None
@@ -189,10 +294,11 @@ class LatencyPanel:
             next_update = time.perf_counter() + UPDATE_INTERVAL_S
         for warning in end.warnings:
             warn(warning)
+        if end.stopped:
+            audio_s = sum(len(c.audio) for c in done) / done[0].sample_rate if done else 0.0
+            yield {self.summary: stopped_text(time.perf_counter() - received, audio_s, len(done)), self.audio: None}
+            return
         if not done:
-            if end.stopped:
-                yield {self.summary: "Stopped before the first audio."}
-                return
             raise gr.Error("The model ended the utterance before producing any audio; try another seed or text.")
         yield {self.audio: (done[0].sample_rate, pcm16(np.concatenate([c.audio for c in done])))}
 

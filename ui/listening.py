@@ -343,13 +343,24 @@ def _organize_view(sessions: Sessions) -> None:
     existing.change(opened, inputs=existing, outputs=text, api_visibility="private")
 
 
-def from_link(request: gr.Request) -> tuple:
-    """A per-session link (`/?session=NAME[&listener=ID]`) opens the Listen view with both filled in.
+# A per-session link opens the Listening test tab in the browser. Selecting it from the server would
+# make the page's Tabs an output of a page load, and the page then re-reads every component under them
+# on each later update of any event (the Omni chat's streamed reply among them).
+OPEN_FROM_LINK_JS = """() => {
+    if (!new URLSearchParams(location.search).has("session")) return;
+    const tab = [...document.querySelectorAll("#page-tabs button[role=tab]")].find((b) => b.textContent.trim() === "Listening test");
+    if (tab) tab.click();
+}"""
+
+
+def from_link(request: gr.Request) -> tuple[str | dict, str | dict]:
+    """A per-session link (`/?session=NAME[&listener=ID]`) has the Listen view's boxes filled in
+    (OPEN_FROM_LINK_JS opens the view).
     Names and ids are 1-64 letters, digits, - or _; a link with anything else fills in nothing of it
     and never echoes it (a crafted link could carry markup)."""
     params = dict(request.query_params) if request is not None else {}
     if "session" not in params:
-        return gr.update(), gr.update(), gr.update(), gr.update()
+        return gr.update(), gr.update()
     session, listener = params["session"], params.get("listener", "")
     if not ID_PATTERN.match(session):
         warn("This link's session is not a session name (1-64 letters, digits, - or _): ask the organizer for the link again.")
@@ -357,4 +368,4 @@ def from_link(request: gr.Request) -> tuple:
     elif listener and not ID_PATTERN.match(listener):
         warn("This link's listener id is not an id (1-64 letters, digits, - or _): type yours in the box.")
         listener = ""
-    return gr.update(selected=NAME), gr.update(selected="listen-view"), session, listener
+    return session, listener

@@ -1,11 +1,10 @@
 """The audio path to the browser: raw PCM frames on one HTTP response per run, beside Gradio's queue.
 
-Generation still runs as a queued Gradio event (its concurrency limit, its Stop/cancel, ZeroGPU's
-wrapper: the event handler stays in the main process), but the handler writes each chunk's PCM
+Generation still runs as a queued Gradio event (its concurrency limit, its Stop/cancel), but the handler writes each chunk's PCM
 into a channel that the page reads with fetch() on `ROUTE`. Why not only the queue: a value
 yielded into a component reaches page JS through Svelte's reactivity, which coalesces values that
 arrive close together — chunks were dropped in headless Chromium — and costs a render per chunk.
-Why not only a route: it would bypass the queue's limits, cancellation and ZeroGPU.
+Why not only a route: it would bypass the queue's limits and cancellation.
 
 Wire format: frames of a 4-byte little-endian length and that many bytes of 16-bit little-endian
 mono PCM at 24 kHz; a zero-length frame is a heartbeat (sent while the run waits in the queue, so

@@ -48,6 +48,7 @@
       this.timeline = [];
       this.stats = { run, chunks: 0, seconds: 0, gaps: 0, scheduledMs: null, soundMs: null, done: false };
       this.show("waiting for the first chunk…");
+      this.reveal();
       this.abort = new AbortController();
       this.read(new URL(urlPrefix + run, document.baseURI), this.abort.signal, this.stats);
       return run;
@@ -112,6 +113,7 @@
       stats.chunks += 1;
       stats.seconds += buffer.duration;
       this.show(this.summary());
+      if (stats.chunks === 1) this.reveal(); // again: the page may have moved while the run waited, and the line grew
     }
 
     // Returns the id of the run it stopped ("" if none), for the server to stop that run.
@@ -132,6 +134,13 @@
       return run;
     }
 
+    // What the streaming run has made so far, for the summary of a Stop; null when none is streaming.
+    progress() {
+      const s = this.stats;
+      if (!s || s.done) return null;
+      return { after_s: (performance.now() - this.clickAt) / 1000, audio_s: s.seconds, chunks: s.chunks };
+    }
+
     // Seconds of the run's audio that have reached the speaker (-1 before the first sound or after Stop).
     position() {
       if (!this.stats || !this.timeline) return -1;
@@ -149,6 +158,15 @@
       if (!s || !s.chunks) return "no audio yet";
       const gaps = s.gaps ? ` · ${s.gaps} gap${s.gaps > 1 ? "s" : ""} (chunks came late)` : " · gapless";
       return `first sound ${Math.round(s.soundMs)} ms after the click (scheduled at ${Math.round(s.scheduledMs)} ms) · ${s.seconds.toFixed(2)} s in ${s.chunks} chunks${gaps}`;
+    }
+
+    // Scroll the tab's live strip (player line, summary, seed) into view if any of it is off screen,
+    // centred: its lines grow as the run's figures arrive.
+    reveal() {
+      const strip = document.getElementById(`${this.name}-strip`);
+      if (!strip) return;
+      const box = strip.getBoundingClientRect();
+      if (box.top < 0 || box.bottom > window.innerHeight) strip.scrollIntoView({ block: "center" });
     }
 
     show(text) {
@@ -173,7 +191,15 @@
   // Speech highlighting: in a `#NAME-live` element, the `.speech-token` span whose speech frames
   // (data-first..data-last, 80 ms each) are playing gets the class `speaking`. The audio runs
   // data-lead-s behind the frames (the vocoder's look-ahead, held back at the start of a stream).
+  // A reply longer than its box scrolls inside it: the box follows the word being said.
   const FRAME_S = 0.08;
+  function followInBox(span, holder) {
+    let box = span.parentElement;
+    while (box && box !== holder && box.scrollHeight <= box.clientHeight) box = box.parentElement;
+    if (!box || box.scrollHeight <= box.clientHeight) return;
+    const word = span.getBoundingClientRect(), view = box.getBoundingClientRect();
+    if (word.top < view.top || word.bottom > view.bottom) box.scrollTop += word.top - view.top - (view.height - word.height) / 2;
+  }
   setInterval(() => {
     for (const text of document.querySelectorAll('[id$="-live"] [data-lead-s]')) {
       const holder = text.closest('[id$="-live"]');
@@ -181,7 +207,9 @@
       const frame = played < 0 ? -1 : Math.floor((played + parseFloat(text.dataset.leadS)) / FRAME_S);
       for (const span of text.querySelectorAll(".speech-token")) {
         const on = frame >= +span.dataset.first && frame <= +span.dataset.last;
-        if (on !== span.classList.contains("speaking")) span.classList.toggle("speaking", on);
+        if (on === span.classList.contains("speaking")) continue;
+        span.classList.toggle("speaking", on);
+        if (on) followInBox(span, holder);
       }
     }
   }, 50);

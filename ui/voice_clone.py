@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
@@ -12,7 +13,7 @@ from pipeline.errors import TTSInputError
 from pipeline.service import SpeechRequest, VoiceInfo
 from ui import controls
 from ui.errors import input_error
-from ui.latency import LatencyPanel
+from ui.latency import LatencyPanel, LiveStrip
 
 NAME = "clone"
 MODEL_TYPE = "base"
@@ -62,7 +63,8 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
                 language = controls.language_picker(NAME)
                 advanced = controls.Advanced.create(NAME)
                 generate, stop = controls.buttons(NAME)
-        panel = LatencyPanel.create(NAME)
+                strip = LiveStrip.create(NAME)  # under the buttons: a run is seen to start where the click is
+        panel = LatencyPanel.create(NAME, strip)
 
     load = controls.model_loader(service, MODEL_TYPE)
 
@@ -76,31 +78,44 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
         )
         yield from controls.generation(service, panel, speech, run_id, request, progress)
 
-    def voice_state(name, ref, transcript, xvec, voice_file) -> tuple[str, dict]:
+    def voice_state(name, ref, transcript, xvec, voice_file) -> Iterator[tuple[str, dict]]:
         """The status line and the Export button for the voice Generate will use: an imported voice
-        file if there is one (a bad one is a gr.Error), else the reference."""
+        file if there is one (a bad one is a gr.Error), else the reference. Each wait (the checkpoint's
+        first load, the voice prompt) says what it is doing while it lasts."""
+        no_export = gr.update(value=None, interactive=False)
+        if voice_file or ref is not None:
+            yield from loading(name, no_export)
         if not voice_file:
-            return prepare(name, ref, transcript, xvec)
+            yield from prepare(name, ref, transcript, xvec, no_export)
+            return
+        yield f"Reading the voice file `{Path(voice_file).name}`…", no_export
         try:
             info = service.load_voice_file(name, voice_file)
         except TTSInputError as exc:
             raise input_error(exc) from None
-        return saved_voice_status(Path(voice_file).name, info), gr.update(value=None, interactive=False)
+        yield saved_voice_status(Path(voice_file).name, info), no_export
 
-    def prepare(name, ref, transcript, xvec) -> tuple[str, dict]:
-        no_export = gr.update(value=None, interactive=False)
+    def loading(name, no_export) -> Iterator[tuple[str, dict]]:
+        if not service.is_loaded(MODEL_TYPE, name):
+            yield f"{controls.loading_text(service, MODEL_TYPE, name)} The voice is prepared next.", no_export
+
+    def prepare(name, ref, transcript, xvec, no_export) -> Iterator[tuple[str, dict]]:
         if ref is None:
-            return "", no_export
+            yield "", no_export
+            return
+        if not (xvec or (transcript or "").strip()):
+            yield "Add the transcript of the reference (or tick x-vector only) to prepare this voice.", no_export
+            return
+        yield preparing_text(bool(xvec)), no_export
         start = time.perf_counter()
         try:
-            ready = service.prepare_voice(name, ref, transcript, bool(xvec))
+            service.prepare_voice(name, ref, transcript, bool(xvec))
         except TTSInputError as exc:
-            return f"**Cannot use this reference:** {exc}", no_export
-        if not ready:
-            return "Add the transcript of the reference (or tick x-vector only) to prepare this voice.", no_export
+            yield f"**Cannot use this reference:** {exc}", no_export
+            return
         status = f"Voice ready ({(time.perf_counter() - start) * 1000:.0f} ms): computed once, reused by every generation."
         exported = service.export_voice(name, ref, transcript, bool(xvec))  # None over a backend, which makes voices itself
-        return status, gr.update(value=str(exported), interactive=True) if exported else no_export
+        yield status, gr.update(value=str(exported), interactive=True) if exported else no_export
 
     # The voice prompt is computed (or the voice file loaded) as soon as the voice is complete, not at
     # the first Generate; another checkpoint means another voice, and may refuse the imported one.
@@ -111,7 +126,12 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
 
     inputs = [checkpoint, ref_audio, ref_text, x_vector_only, saved, text, language, *advanced.inputs]
     controls.wire_buttons(service, panel, generate, stop, speak, inputs)
-    return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language])
+    return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language, checkpoint])
+
+
+def preparing_text(x_vector_only: bool) -> str:
+    made_of = "its speaker embedding" if x_vector_only else "its speaker embedding and the codes of the recording"
+    return f"Preparing this voice: computing {made_of} (once per recording; every Generate then reuses it)…"
 
 
 def saved_voice_status(name: str, info: VoiceInfo) -> str:

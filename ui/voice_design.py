@@ -5,7 +5,7 @@ import gradio as gr
 
 from pipeline.service import SpeechRequest
 from ui import controls
-from ui.latency import LatencyPanel
+from ui.latency import LatencyPanel, LiveStrip
 
 NAME = "design"
 MODEL_TYPE = "voice_design"
@@ -32,7 +32,8 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
                 language = controls.language_picker(NAME)
                 advanced = controls.Advanced.create(NAME)
                 generate, stop = controls.buttons(NAME)
-        panel = LatencyPanel.create(NAME)
+                strip = LiveStrip.create(NAME)  # under the buttons: a run is seen to start where the click is
+        panel = LatencyPanel.create(NAME, strip)
 
     load = controls.model_loader(service, MODEL_TYPE)
 
@@ -46,4 +47,4 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
 
     inputs = [checkpoint, description, text, language, *advanced.inputs]
     controls.wire_buttons(service, panel, generate, stop, speak, inputs)
-    return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language])
+    return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language, checkpoint])
