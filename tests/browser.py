@@ -20,7 +20,7 @@ CHROMIUM_ARGS = [
 TABS = {"clone": "Voice clone", "custom": "Custom voice", "design": "Voice design"}
 CLICKS = 3
 HANG_GUARD_MS = 300_000  # ends a wait for something that never comes; no wait decides pass or fail by its duration
-SCREENSHOTS = os.environ.get("SCREENSHOT_DIR")  # set to keep the screenshots (docs/screenshot*.png)
+SCREENSHOTS = os.environ.get("SCREENSHOT_DIR")  # set to keep the tests' screenshots (the README's: python -m benchmarks.screenshots)
 
 
 def browser_missing() -> str | None:

@@ -265,6 +265,7 @@ class LatencyPanel:
         next_update = time.perf_counter()  # the first row (the TTFA) shows at once; later ones are batched
         while not ended:
             extra: dict = {}
+            added = False
             for item in self._batch(arrived, next_update):
                 if item is None:
                     ended = True
@@ -285,8 +286,11 @@ class LatencyPanel:
                 chunk, since_ms = item
                 first_sent_ms = since_ms if first_sent_ms is None else first_sent_ms
                 done.append(chunk)
+                added = True
                 rows.append([chunk.index, chunk.frames, ms_cell(chunk.generate_ms), ms_cell(chunk.vocode_ms), round(since_ms, 1), round(chunk.rtf, 3)])
-            if done:
+            # The table and plot re-render the page's heaviest components: sent when they change, not with
+            # every batch of an Omni reply's text.
+            if done and (added or ended):
                 summary = summary_text(start, done, first_sent_ms, ended, end.warnings)
                 extra.update({self.table: table_frame(rows), self.plot: plot_frame(done), self.summary: summary})
             if extra:
