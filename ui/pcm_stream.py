@@ -33,7 +33,7 @@ from pipeline.server.common import StreamedUntilOver
 ROUTE = "/pcm/{run_id}"
 HEARTBEAT_S = 5.0
 WAIT_LIMIT_S = 15 * 60  # a reader whose run started but sends nothing (a stuck run) gives up
-GRACE_S = 5.0  # how long a reader waits for its run to start (the page's fetch and Gradio's queue join race)
+GRACE_S = 30.0  # how long a reader waits for its run to start: the page asks just before its Gradio event starts the run, which a busy server takes seconds to do
 PER_CLIENT = 16  # streams one client address may have open: a page holds one per tab
 TOMBSTONE_S = 60.0  # how long a run that ended before its reader came is remembered as ended
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{8,80}$")
