@@ -66,14 +66,13 @@ HOPPER_TILES: dict[tuple[str, int, int], Tiles] = {
     ("linear2", 3072, 1024): Tiles(block_n=32, num_stages=4),  # gate/up, 0.6B and every code predictor
     ("linear1", 2048, 2048): Tiles(block_n=32, block_k=128, split_k=4),  # o projection, 1.7B
     ("linear1", 2048, 6144): Tiles(block_n=32, split_k=8),  # down, 1.7B
-    ("linear2", 6144, 2048): Tiles(block_n=64),  # gate/up, 1.7B (block_n 32 until the tenth session's sweep: 3.436 -> 3.415 ms)
+    ("linear2", 6144, 2048): Tiles(block_n=64),  # gate/up, 1.7B (64 columns: 3.415 ms a frame against 32's 3.436 in the step sweep, H200)
     ("linear0", 2048, 1024): Tiles(block_n=32),  # the code predictor's heads
     ("linear0", 3072, 1024): Tiles(num_stages=4),  # the 0.6B's talker head
 }
 # Where Hopper's choices do not fit another architecture (each compiled for it by
 # tests/test_kernel_architectures.py; not timed on those GPUs). The 1.7B's gate/up tile 32 columns wide
-# (64 spill registers on sm_80; 32 was its tile until the tenth session's sweep, 0.02 ms a frame
-# slower on an H200); with 99 KB, the 0.6B's gate/up in 3 stages, not 4 (106 KB: two weight tiles a stage).
+# (64 spill registers on sm_80; 32 measured 0.02 ms a frame slower on an H200); with 99 KB, the 0.6B's gate/up in 3 stages, not 4 (106 KB: two weight tiles a stage).
 A100_TILES: dict[tuple[str, int, int], Tiles] = {("linear2", 6144, 2048): Tiles(block_n=32)}
 SMALL_SHARED_TILES: dict[tuple[str, int, int], Tiles] = {**A100_TILES, ("linear2", 3072, 1024): Tiles(block_n=32, num_stages=3)}
 # The talker's attention below Hopper's shared memory: chunks of 256 positions x 8 warps spill
