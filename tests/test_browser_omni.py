@@ -171,7 +171,7 @@ def test_omni_failed_turn_shows_its_sentence(page, tmp_path):
     seed_field(page, "omni").fill("lucky")
     page.locator("#omni-message textarea").fill("Hello?")
     page.click("#omni-generate")
-    page.locator("#omni-live").get_by_text("The seed is a whole number").wait_for()
+    page.locator("#omni-live").get_by_text("seed must be a whole number").wait_for()
     assert page.locator("#omni-message textarea").input_value() == "Hello?"  # not sent: the message stays to be sent again
     # An uploaded file that is no audio: the UI takes it, the server cannot read it.
     seed_field(page, "omni").fill("7")

@@ -148,8 +148,9 @@ def test_a_bad_seed_gets_the_same_sentence_everywhere(api, capsys, monkeypatch, 
     expected = seed_sentence(seed)
     assert client.post(SPEECH, json={"input": "Hi.", "voice": "ryan", "seed": seed}).json()["error"]["message"] == expected
     assert client.post(CHAT, json={"messages": [{"role": "user", "content": "Hi."}], "seed": seed}).json()["error"]["message"] == expected
-    fields = controls.sampling_fields(0.9, 50, 1.0, 1.05, float(seed), "1, 2", controls.MAX_SECONDS)  # a gr.Number sends a float
-    assert ui_error(service, SpeechRequest("Hi.", model_type="custom_voice", checkpoint=TINY, speaker="ryan", **fields)) == expected
+    for typed in (str(seed), str(float(seed))):  # the Seed box sends the text typed
+        fields = controls.sampling_fields(0.9, 50, 1.0, 1.05, typed, "1, 2", controls.MAX_SECONDS)
+        assert ui_error(service, SpeechRequest("Hi.", model_type="custom_voice", checkpoint=TINY, speaker="ryan", **fields)) == expected
     with pytest.raises(TTSInputError, match=f"^{expected.replace('(', '.').replace(')', '.')}$"):
         ChatRequest([Turn("user", "Hi.")], seed=int(float(seed))).validate()  # the Omni tab's request
     never_loaded(monkeypatch)

@@ -100,20 +100,19 @@ def sampling_fields(
     }
 
 
-def take_seed(value: str | float | None) -> int:
+def take_seed(value: str | float | None) -> int | float:
     """The seed a run uses: the one typed, or a new random one when the field is empty, so that every
-    default run is a new take and the seed shown after it repeats that take. Anything else typed is
-    a gr.Error naming what a seed is."""
+    default run is a new take and the seed shown after it repeats that take. A typed number goes to the
+    request as it is (its range is checked there, with the sentence every surface gives); text that is
+    no number is refused here with that same sentence."""
     text = "" if value is None else str(value).strip()
     if not text:
         return secrets.randbelow(MAX_SEED + 1)
     try:
         number = float(text)
     except ValueError:
-        number = float("nan")
-    if not number.is_integer() or not 0 <= number <= MAX_SEED:
-        raise input_error(f"The seed is a whole number from 0 to {MAX_SEED} (or empty for a new random take), not '{text}'.")
-    return int(number)
+        raise input_error(f"seed must be a whole number from 0 to {MAX_SEED} (got {text!r}).") from None
+    return int(number) if number.is_integer() else number
 
 
 def keep_or_first(value: str | None, choices: list[str]) -> str | None:
