@@ -5,6 +5,7 @@ it is doing; the table fits a phone. The click-to-first-sound is printed next to
 (`python -m benchmarks.click_to_first_sound` measures it)."""
 import re
 import statistics
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -157,19 +158,26 @@ def seen_texts(page) -> list[str]:
     return page.evaluate("() => [...window.seen.texts]")
 
 
-def test_preparing_a_sample_voice_says_what_it_is_doing(browser, app_url):
-    page = browser.new_page(viewport={"width": 1400, "height": 1500})
+@contextmanager
+def sampled_page(browser, url: str, width: int, height: int):
+    """A new page of the app at `url` that records every text its status lines show (SAMPLER); closed after."""
+    page = browser.new_page(viewport={"width": width, "height": height})
     page.set_default_timeout(HANG_GUARD_MS)
     try:
         page.add_init_script(SAMPLER)
-        page.goto(app_url)
+        page.goto(url)
+        yield page
+    finally:
+        page.close()
+
+
+def test_preparing_a_sample_voice_says_what_it_is_doing(browser, app_url):
+    with sampled_page(browser, app_url, 1400, 1500) as page:
         page.wait_for_function("() => /^Ready/.test(document.querySelector('#clone-model-status')?.innerText)")
         page.get_by_text("Good morning. Today the weather").first.click()  # a sample voice no other test here prepares
         page.wait_for_function("() => document.querySelector('#clone-ref-text textarea').value.startsWith('Good morning')")
         page.wait_for_function("() => /^Voice ready/.test(document.querySelector('#clone-voice-status').innerText)")
         assert any(t.startswith("Preparing this voice: computing its speaker embedding") for t in seen_texts(page)), seen_texts(page)
-    finally:
-        page.close()
 
 
 @pytest.fixture(scope="module")
@@ -194,11 +202,7 @@ def cold_app(tiny_checkpoints, tmp_path_factory):
 def test_a_first_load_shows_one_message_and_the_name_of_what_serves(browser, cold_app):
     """What the load says is asserted in tests/test_app_service.py: a quick load may end before a frame shows it."""
     url, missing = cold_app
-    page = browser.new_page(viewport={"width": 1366, "height": 768})
-    page.set_default_timeout(HANG_GUARD_MS)
-    try:
-        page.add_init_script(SAMPLER)
-        page.goto(url)
+    with sampled_page(browser, url, 1366, 768) as page:
         page.wait_for_function("() => /^Ready/.test(document.querySelector('#clone-model-status [data-testid=markdown]')?.innerText)")
         assert page.locator("#clone-model-status [data-testid=markdown]").inner_text().startswith("Ready: built-in tiny random checkpoint ·")
         page.get_by_role("tab", name="Custom voice").click()
@@ -207,8 +211,6 @@ def test_a_first_load_shows_one_message_and_the_name_of_what_serves(browser, col
         assert page.locator("#custom-model-status [data-testid=markdown]").inner_text().startswith(f"Ready: {stand_in} ·")
         assert page.locator("#custom-checkpoint input").input_value() == stand_in
         assert page.evaluate("() => window.seen.most") == 1  # each load's message shows once, on its tab's status line
-    finally:
-        page.close()
 
 
 def test_the_table_and_the_strip_fit_a_phone_screen(browser, app_url):
