@@ -61,9 +61,9 @@ def player_head() -> str:
     return f"<script>{PLAYER_JS.read_text(encoding='utf-8')}</script><style>{CSS}</style>"
 
 
-def player_html(name: str) -> str:
-    """The player's line (ui/player.js writes its status) and the legend of its figures."""
-    return (f'<div class="pcm-player"><span class="pcm-status">{IDLE_TEXT}</span>'
+def player_html(name: str, idle: str = IDLE_TEXT) -> str:
+    """The player's line (ui/player.js writes its status; `idle` until the first run) and the legend of its figures."""
+    return (f'<div class="pcm-player"><span class="pcm-status">{idle}</span>'
             f'<div class="pcm-legend" id="{name}-legend">{LEGEND}</div></div>')
 
 
@@ -140,11 +140,11 @@ class LiveStrip:
     take: gr.Markdown
 
     @classmethod
-    def create(cls, name: str) -> "LiveStrip":
+    def create(cls, name: str, idle: str = IDLE_TEXT) -> "LiveStrip":
         with gr.Column(elem_id=f"{name}-strip"):
             run_id = gr.Textbox(visible=False)
             stopped = gr.JSON(visible=False)
-            player = gr.HTML(player_html(name), elem_id=f"{name}-player")
+            player = gr.HTML(player_html(name, idle), elem_id=f"{name}-player")
             summary = gr.Markdown("", elem_id=f"{name}-summary", elem_classes=["pcm-summary"])
             take = gr.Markdown("", elem_id=f"{name}-take", elem_classes=["pcm-take"])
         return cls(run_id, stopped, player, summary, take)

@@ -19,7 +19,7 @@ import gradio as gr
 from pipeline.service import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, ChatRequest, TextDelta, Turn
 from ui import controls
 from ui.errors import toast_text
-from ui.latency import IDLE_TEXT, LatencyPanel, LiveStrip, checkpoint_label, player_html
+from ui.latency import LatencyPanel, LiveStrip, checkpoint_label
 
 log = logging.getLogger("ui")
 
@@ -119,8 +119,7 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
                     send = gr.Button("Send", variant="primary", elem_id=f"{NAME}-generate", elem_classes=["pcm-generate"])
                     stop = gr.Button("Stop", variant="stop", elem_id=f"{NAME}-stop")
                     clear = gr.Button("New conversation", elem_id=f"{NAME}-clear")
-                strip = LiveStrip.create(NAME)  # under the buttons: a reply is seen to start where the click is
-                strip.player.value = player_html(NAME).replace(IDLE_TEXT, PLAYER_IDLE)
+                strip = LiveStrip.create(NAME, PLAYER_IDLE)  # under the buttons: a reply is seen to start where the click is
                 stats = gr.Markdown("", elem_id=f"{NAME}-stats")
                 with gr.Row(equal_height=True):
                     audio = gr.Audio(sources=["microphone", "upload"], type="filepath", label=f"…or speak (up to {MAX_AUDIO_SECONDS:.0f} s), then Send",
