@@ -2,7 +2,7 @@
 sm_86, sm_89, sm_90, sm_120), with the configuration the engine picks there
 (`KernelConfig.for_architecture`), at the real models' shapes (the 0.6B's and 1.7B's talkers and
 code predictors, Qwen3-Omni's code predictor and talker vocabulary): within the architecture's
-shared memory per block, without register spills on the hot path (the persistent code predictor,
+shared memory per block, without register spills on the hot path beyond the bounded ones below (the persistent code predictor,
 opt-in, may spill), with overlapped launches (griddepcontrol) only from sm_90 on. A kernel that
 used an instruction the architecture lacks would not compile for it: ptxas refuses it.
 
@@ -30,11 +30,14 @@ ARCHITECTURES = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9,
 # Specifications per Compute Capability" (appendix "Compute Capabilities", Table 31): A100 163 KB;
 # RTX 30xx / A10G, RTX 40xx / L4, RTX 50xx 99 KB; H100 / H200 227 KB.
 SHARED_MEMORY_LIMIT = {(8, 0): 166_912, (8, 6): 101_376, (8, 9): 101_376, (9, 0): 232_448, (12, 0): 101_376}
-# Hopper's choices that spill registers, kept because they were measured fastest there (H200, whole
-# step): the talker attention's chunks of 256 x 8 warps (264 bytes a thread; pipeline.kernels.config
-# has the timings) and the 1.7B's 64-column gate/up tile (208 bytes; 3.436 -> 3.415 ms a frame
-# against 32 columns, which do not spill). The other architectures get choices that do not spill.
-MEASURED_SPILLS = {(9, 0): {"talker attention, split", "linear2 BLOCK_K=256,BLOCK_N=64,K=2048,N=6144,SPLIT_K=1"}}
+# Choices that spill registers, kept for what they give. The 1.7B's 64-column gate/up tile on Hopper
+# (208 bytes a thread; 3.436 -> 3.415 ms a frame against 32 columns, which do not spill; H200). The
+# talker attention's chunks of 256 positions x 8 warps on every architecture (Triton 3.9's ptxas: 32
+# bytes a thread on sm_80, 104 on sm_90, 112 on sm_89, 168 on sm_120): the same chunks everywhere sum
+# in the same order, so a request gives the same codes on every GPU; smaller chunks, which spill
+# nothing, sum in another order. Bounded, so that a change that spills more fails here.
+MEASURED_SPILLS = {(9, 0): {"linear2 BLOCK_K=256,BLOCK_N=64,K=2048,N=6144,SPLIT_K=1": 256}}
+ATTENTION_SPILL_BOUND = 256
 
 TALKERS = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}  # hidden, FFN; 16 query heads, 8 key/value heads of 128
 PREDICTOR = dict(H=1024, I=3072, V=2048, STEPS=15)  # every model's code predictor (Qwen3-Omni's too); 5 layers
@@ -254,8 +257,9 @@ def test_every_kernel_compiles_for_the_architecture_within_its_shared_memory_and
     overlapped = capability >= (9, 0)
     for name, kernel in found.items():
         assert kernel["shared"] <= SHARED_MEMORY_LIMIT[capability], (arch, name, kernel["shared"])
-        if kernel["spill_free"] and name not in MEASURED_SPILLS.get(capability, ()):
-            assert kernel["stack"] == 0, (arch, name, f"{kernel['stack']} bytes of spilled registers")
+        if kernel["spill_free"]:
+            bound = ATTENTION_SPILL_BOUND if name == "talker attention, split" else MEASURED_SPILLS.get(capability, {}).get(name, 0)
+            assert kernel["stack"] <= bound, (arch, name, f"{kernel['stack']} bytes of spilled registers")
         assert kernel["wait"] == overlapped and kernel["release"] == overlapped, (arch, name)
         assert kernel["prefetch"] == (kernel["prefetch_lines"] > 0), (arch, name)
         if kernel["split_k"] > 1:

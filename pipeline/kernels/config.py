@@ -75,10 +75,6 @@ HOPPER_TILES: dict[tuple[str, int, int], Tiles] = {
 # (64 spill registers on sm_80; 32 measured 0.02 ms a frame slower on an H200); with 99 KB, the 0.6B's gate/up in 3 stages, not 4 (106 KB: two weight tiles a stage).
 A100_TILES: dict[tuple[str, int, int], Tiles] = {("linear2", 6144, 2048): Tiles(block_n=32)}
 SMALL_SHARED_TILES: dict[tuple[str, int, int], Tiles] = {**A100_TILES, ("linear2", 3072, 1024): Tiles(block_n=32, num_stages=3)}
-# The talker's attention below Hopper's shared memory: chunks of 256 positions x 8 warps spill
-# registers there (1.2 KB a thread on sm_80: a chunk's keys and values are loaded together);
-# 128 x 16 warps, with contexts of 128 positions at most attended without exchange, fit.
-SMALL_ATTENTION = dict(attention_chunks=MappingProxyType({2048: (128, 16)}), attention_whole=128)
 
 
 @dataclass(frozen=True)
@@ -108,6 +104,8 @@ class KernelConfig:
     # positions): chunks of 256 x 8 warps 4.7 / 4.8 / 8.2 / 8.5 / 9.2; of 64 x 4 warps 3.4 / 7.0 / 7.7 /
     # 10.4 / 14.0; of 128 x 8 warps 4.8 / 8.3 / 8.7 / 9.3 / 10.3; one program per head looping over the
     # context 3.6 / 10.4 / 14.7 / 41.7 / 81.8. In the whole step (0.6B, 1 row) 3.01 -> 2.95 ms.
+    # Every architecture gets these chunks and warps: another chunking sums in another order, and the
+    # same request would give other codes on another GPU.
     attention_chunks: Mapping[int, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({2048: (256, 8)}), hash=False)
     # A context of 256 positions at most (the first ~17 s of an utterance) needs no exchange. H200, us at
     # 50 / 150 / 256 positions: 1 part 4.7 / 4.8 / 4.8, 2 parts 4.1 / 4.2 / 4.4, 4 parts 3.6 / 3.7 / 3.9,
@@ -138,7 +136,7 @@ class KernelConfig:
         if shared >= SHARED_MEMORY_PER_BLOCK[(9, 0)]:
             return cls(capability=capability, overlap=overlap)
         changed = A100_TILES if shared >= SHARED_MEMORY_PER_BLOCK[(8, 0)] else SMALL_SHARED_TILES
-        return cls(capability=capability, tuned=MappingProxyType({**HOPPER_TILES, **changed}), overlap=overlap, **SMALL_ATTENTION,
+        return cls(capability=capability, tuned=MappingProxyType({**HOPPER_TILES, **changed}), overlap=overlap,
                    wide_sampling_warps=16 if capability >= (12, 0) else 8)
 
     @classmethod

@@ -176,7 +176,10 @@ def _exponential_noise(seed_hash, start, offs):
     return -tl.log(uniform)
 
 
-@triton.jit
+# A row's settings are views into the engine's per-row tensors (the first token of row r reads them
+# from element r): their alignment must not pick a compiled variant, or the first requests after a
+# start would compile one per alignment while they wait for their first audio.
+@triton.jit(do_not_specialize_on_alignment=["do_sample_ptr", "temperature_ptr", "top_k_ptr", "top_p_ptr"])
 def _sample_kernel(logits_ptr, noise_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, out_ptr, V, stride_logits, stride_noise,
                    BLOCK: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr):
     wait_for_inputs(OVERLAP)
