@@ -23,8 +23,12 @@ RUN apt-get update \
 # Hugging Face Spaces (and most hosts) run containers as uid 1000; the base image's "ubuntu" user has it.
 RUN userdel -r ubuntu && useradd -m -u 1000 user
 USER user
+# The compiled kernels live on the model cache's volume, so a restart starts warm (0.6B on an H100:
+# ready in 23 s with them, 72 s without; python -m benchmarks.cold_start).
 ENV HOME=/home/user VIRTUAL_ENV=/home/user/venv PATH=/home/user/venv/bin:$PATH \
     HF_HOME=/home/user/.cache/huggingface \
+    TRITON_CACHE_DIR=/home/user/.cache/huggingface/compiled/triton \
+    TORCHINDUCTOR_CACHE_DIR=/home/user/.cache/huggingface/compiled/inductor \
     GRADIO_SERVER_NAME=0.0.0.0 GRADIO_SERVER_PORT=7860
 WORKDIR /home/user/app
 

@@ -272,11 +272,22 @@ class Transformer(nn.Module):
         mask = torch.where(self.key_pos <= positions[..., None], 0.0, float("-inf"))
         return self._run(x, lambda attn, h: attn.extend(h, cos, sin, mask, row, positions))
 
-    def prefill(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        """x [1, L, hidden]: one sequence from position 0, written into cache row `row` [1]."""
+    def prefill(self, x: torch.Tensor, row: torch.Tensor, layer_step: Callable | None = None) -> torch.Tensor:
+        """x [1, L, hidden]: one sequence from position 0, written into cache row `row` [1].
+        `layer_step`: what runs each layer (`prefill_layer`, or a torch.compile'd copy of it)."""
         positions = self.key_pos[: x.shape[1]]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        return self._run(x, lambda attn, h: attn.prefill(h, cos, sin, row, positions))
+        step = layer_step or prefill_layer
+        for layer in self.layers:
+            x = step(layer, x, cos, sin, row, positions)
+        return self.norm(x)
+
+
+def prefill_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One layer of `Transformer.prefill`. A function of the layer rather than a method: torch.compile'd
+    once, it serves every layer of the stack (their parameters are its inputs, their shapes agree) and
+    every prompt length, so compiling the prefill traces one layer, not all of them."""
+    return layer(x, lambda attn, h: attn.prefill(h, cos, sin, row, positions))
 
 
 class ResizeMLP(nn.Module):

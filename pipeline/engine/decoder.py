@@ -36,7 +36,7 @@ from pipeline.graphs import CUDAGraphed
 from pipeline.kernels import FrameText, RowState, fused_available, fused_decode, fused_decode_logits, fused_linear, fused_sample, fused_supported
 from pipeline.kernels.config import KernelConfig
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
-from pipeline.model import Talker, Transformer
+from pipeline.model import Talker, Transformer, prefill_layer
 
 MIN_NEW_TOKENS = 2  # Qwen3-TTS's reference masks EOS for the first two codebook-0 tokens (Qwen3-Omni's: none)
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)  # prompts are zero-padded to one of these lengths
@@ -151,9 +151,11 @@ class BatchDecoder:
             options = dict(fullgraph=True, dynamic=False)
             self.sample, self.noise = torch.compile(sample_rows, **options), torch.compile(exponential_noise, **options)
             self.embed_codes = torch.compile(talker.embed_codes, **options)  # 16 lookups and their sum: one kernel
-            # One compile for every bucket length (eager, a prefill is ~50 kernels per layer: 4.7 ms
-            # of GPU time for 60 positions of the 0.6B on an H200, a stall for the running rows).
-            self.talker_prefill = torch.compile(talker.model.prefill, fullgraph=True, dynamic=True)
+            # One compile of one layer for every layer and every bucket length. Eager, a prefill is ~50
+            # kernels a layer: on an H100 the 0.6B's graph of 32 positions takes 4.34 ms against 1.36
+            # compiled, a stall for the running rows. Compiling the whole stack instead (as fast: 1.33
+            # ms) took 49 s of a cold start, 25 s with warm caches (dynamo traced all 28 layers each time).
+            self.talker_prefill = partial(talker.model.prefill, layer_step=torch.compile(prefill_layer, fullgraph=True, dynamic=True))
         if self.fused and device.type == "cuda":
             # One kernel instead of a sort, two softmaxes, a scan and an argmax, 16 times a frame
             # (not on CPU: Triton's interpreter takes a third of a second per row).

@@ -1,0 +1,159 @@
+"""Time from a fresh process to a ready engine, with empty compile caches and again with the caches
+that run left behind, and the first burst of listeners after ready: `python -m benchmarks.cold_start`.
+
+Each start runs in a process of its own, with TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR pointing
+at one fresh directory per model size (the cold start fills it, the warm start reads it). Random
+weights at the real size (weight values change no compile or capture), built on the GPU in place
+of reading a checkpoint. Reported per start: the phases (imports, weights, engine build: kernels
+compiled and graphs captured, warm-up) with the time spent compiling Triton kernels and in
+torch.compile inside them, how many kernels compiled, and then the first burst of listeners arriving
+together: their time to first audio and what compiled during it (nothing should).
+
+    python -m benchmarks.cold_start [--sizes 0.6B 1.7B] [--listeners 16] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULT = "RESULT "
+
+
+class CompileClock:
+    """Every Triton compile (kernel name, seconds, the phase it fell in), by wrapping the compile
+    function Triton's launcher calls. Installed before any kernel is defined."""
+
+    def __init__(self):
+        self.phase = "import"
+        self.compiles: list[tuple[str, float, str]] = []
+
+    def install(self) -> None:
+        import triton.compiler.compiler as compiler
+        import triton.runtime.jit as jit
+
+        original = compiler.compile
+
+        def timed(src, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(src, *args, **kwargs)
+            finally:
+                name = getattr(getattr(src, "fn", None), "__name__", None) or str(getattr(src, "name", "?"))
+                self.compiles.append((name, time.perf_counter() - start, self.phase))
+
+        compiler.compile = timed
+        if hasattr(jit, "compile"):
+            jit.compile = timed
+
+    def cubins(self) -> set[Path]:
+        """Kernels in Triton's cache directory (ours and inductor's): one KERNEL_NAME.cubin each."""
+        return set(Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin")) if os.environ.get("TRITON_CACHE_DIR") else set()
+
+    def in_phase(self, phase: str) -> tuple[int, float]:
+        found = [s for _, s, p in self.compiles if p == phase]
+        return len(found), sum(found)
+
+
+def dynamo_seconds() -> float:
+    """Seconds torch.compile has spent so far (dynamo, AOT and inductor), from dynamo's own timers."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(sum(times) for name, times in compilation_time_metrics.items() if name in ("_compile.compile_inner", "compile_inner"))
+
+
+def child(size: str, listeners: int, frames: int) -> dict:
+    clock = CompileClock()
+    started = time.perf_counter()
+    phases: dict[str, dict] = {}
+    seen = [clock.cubins()]
+
+    def phase(name: str, since: float, dynamo_before: float) -> float:
+        count, compile_s = clock.in_phase(name)
+        now = time.perf_counter()
+        cubins = clock.cubins()
+        new = sorted(c.stem for c in cubins - seen[0])
+        phases[name] = {"s": now - since, "triton_compiles": count, "triton_s": compile_s, "torch_compile_s": dynamo_seconds() - dynamo_before,
+                        "new_cubins": len(new), "kernels": new}
+        seen[0] = cubins
+        return now
+
+    import torch
+    clock.install()
+    from pipeline.bench import random_tts, run_streams
+    import_done = phase("import", started, 0.0)
+
+    with tempfile.TemporaryDirectory() as workdir:
+        clock.phase = "engine"
+        tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, Path(workdir), compiled=True)
+        torch.cuda.synchronize()
+        built = phase("engine", import_done, 0.0)
+        clock.phase = "warm_up"
+        before = dynamo_seconds()
+        tts.warm_up()
+        torch.cuda.synchronize()
+        ready = phase("warm_up", built, before)
+        clock.phase = "burst"
+        before = dynamo_seconds()
+        burst = run_streams(tts, listeners, frames, 0.0)
+        phase("burst", ready, before)
+        late = [name for name, _, p in clock.compiles if p == "burst"]
+    return {"size": size, "ready_s": ready - started, "phases": phases, "burst": burst, "compiled_during_burst": late,
+            "slowest_compiles": sorted(((n, round(s, 2)) for n, s, _ in clock.compiles), key=lambda c: -c[1])[:12],
+            "gpu": torch.cuda.get_device_name(), "torch_compiles": torch._dynamo.utils.compile_times(repr="str")}
+
+
+def start(size: str, caches: Path, listeners: int, frames: int) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
+    args = [sys.executable, "-m", "benchmarks.cold_start", "--child", size, "--listeners", str(listeners), "--frames", str(frames)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the {size} start failed:\n{done.stderr[-4000:]}")
+    for line in done.stderr.splitlines():  # what TORCH_LOGS=recompiles says, when set
+        if "ecompil" in line:
+            print(line[:400])
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def summary(found: dict) -> str:
+    p = found["phases"]
+    parts = ", ".join(f"{name} {v['s']:.1f} s ({v['new_cubins']} kernels compiled, Triton {v['triton_compiles']} timed {v['triton_s']:.1f} s, torch.compile {v['torch_compile_s']:.1f} s)"
+                      for name, v in p.items())
+    b = found["burst"]
+    return (f"{found['size']} {found['start']}: ready in {found['ready_s']:.1f} s; {parts}; burst of {b['streams']}: TTFA p50 "
+            f"{b['ttfa_p50_ms']:.0f} ms, p95 {b['ttfa_p95_ms']:.0f} ms; compiled during the burst: {found['compiled_during_burst'] or 'nothing'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["0.6B", "1.7B"])
+    parser.add_argument("--listeners", type=int, default=16)
+    parser.add_argument("--frames", type=int, default=100, help="frames each listener asks for")
+    parser.add_argument("--starts", nargs="+", default=["cold", "warm"], choices=["cold", "warm"], help="cold: empty caches; warm: after a cold start")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(RESULT + json.dumps(child(args.child, args.listeners, args.frames)), flush=True)
+        return 0
+    results = []
+    for size in args.sizes:
+        with tempfile.TemporaryDirectory() as caches:
+            for kind in args.starts:
+                found = dict(start(size, Path(caches), args.listeners, args.frames), start=kind)
+                results.append(found)
+                print(summary(found), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": "python -m benchmarks.cold_start " + " ".join(argv or sys.argv[1:]),
+                                         "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""On a CUDA GPU (skipped elsewhere): once an engine is ready (built and warmed up as the app does),
+nothing compiles any more. The first listeners after a start would otherwise wait for the compiler:
+a burst of 16 requests, each on a row of its own, finds every Triton kernel variant and every
+torch.compile graph it runs already built. Random weights at the real 0.6B size, bf16, as served."""
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ROWS = 16
+
+
+def compiled_variants() -> dict[str, int]:
+    """Each of the engine's Triton kernels: how many compiled variants (specializations) it holds."""
+    from triton.runtime.jit import JITFunction
+
+    from pipeline.codec import residual, snake
+    from pipeline.kernels import code_predictor, decode, sampling
+
+    return {f"{module.__name__}.{name}": sum(len(entry[0]) for entry in kernel.device_caches.values())
+            for module in (decode, sampling, code_predictor, residual, snake) for name, kernel in vars(module).items() if isinstance(kernel, JITFunction)}
+
+
+def torch_compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_a_burst_of_listeners_after_ready_compiles_nothing():
+    from pipeline.bench import random_tts, request
+
+    with tempfile.TemporaryDirectory() as workdir:
+        tts = random_tts("0.6B", "custom_voice", "cuda", torch.bfloat16, Path(workdir), rows=ROWS, compiled=True)
+        tts.warm_up()
+        kernels, graphs = compiled_variants(), torch_compiled_graphs()
+        assert sum(kernels.values()) > 0
+        done = []
+
+        def listen(seed: int) -> None:
+            done.append(sum(chunk.frames for chunk in tts.submit(request(12, seed=seed))))
+
+        listeners = [threading.Thread(target=listen, args=(seed,)) for seed in range(ROWS)]
+        for listener in listeners:
+            listener.start()
+        for listener in listeners:
+            listener.join()
+        assert done == [12] * ROWS
+        assert compiled_variants() == kernels
+        assert torch_compiled_graphs() == graphs
