@@ -7,6 +7,7 @@ import os
 
 from pipeline.errors import TTSInputError
 from pipeline.listening import Sessions
+from pipeline.loading import DTYPES, device_dtype
 from pipeline.remote import RemoteService
 from pipeline.server import Access
 from pipeline.service import TYPE_NAMES, ModelService, parse_models
@@ -40,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), help="interface to listen on (env GRADIO_SERVER_NAME; default %(default)s)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (env GRADIO_SERVER_PORT; default %(default)s)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
+                        help="weights and activations (default: bfloat16 on GPUs of compute capability 8.0 or newer, float16 on older ones "
+                        "such as a T4, float32 on cpu)")
     parser.add_argument(
         "--models",
         nargs="+",
@@ -53,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="serve the built-in tiny random checkpoints (noise; for trying the UI offline; default: off)")
     parser.add_argument(
         "--rows", type=int, default=None,
-        help="utterances each model decodes together (its batch; default 16 on CUDA, 4 on CPU); more wait in a FIFO queue",
+        help="utterances each model decodes together (its batch; default on CUDA: as many as the GPU's free memory holds, at most 16 for "
+        "Qwen3-TTS and 8 for Qwen3-Omni; 4 and 2 on CPU); more wait in a FIFO queue",
     )
     parser.add_argument("--sessions", default="listening", help="folder of the listening sessions: their files, clips and votes (SQLite) (default %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("QWEN_TTS_API_KEY"),
@@ -75,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def local_service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelService:
+def local_service(args: argparse.Namespace, parser: argparse.ArgumentParser, free_memory: int | None = None) -> ModelService:
+    """The models of this process. `free_memory`: the bytes their rows are planned against (None: the
+    GPU's free memory; see ModelService); --rows that do not fit stop the app with exit code 2 and the reason."""
     try:
         choices = parse_models(args.models)
     except ValueError as exc:
@@ -85,11 +91,19 @@ def local_service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if on_zero_gpu():  # checked before torch touches CUDA, which ZeroGPU forbids in the main process
         parser.exit(2, f"{parser.prog}: {ZERO_GPU_REFUSED}\n")
     device = args.device or default_device()
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    try:
+        dtype = device_dtype(device, args.dtype)
+    except TTSInputError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+    logging.getLogger("app").info(dtype.sentence)
     compiled = device.startswith("cuda") and not args.no_compile
-    service = ModelService(choices, device=device, dtype=dtype, tiny=args.tiny, compiled=compiled, rows=args.rows,
-                           fused=False if args.no_fused_kernels else None)
+    service = ModelService(choices, device=device, dtype=dtype.name, tiny=args.tiny, compiled=compiled, rows=args.rows,
+                           fused=False if args.no_fused_kernels else None, free_memory=free_memory)
     service.probe()
+    try:
+        service.check_rows()
+    except TTSInputError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
     return service
 
 

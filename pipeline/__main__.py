@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import CheckpointError, TTSInputError
-from pipeline.loading import torch_device
+from pipeline.loading import DTYPES, device_dtype
 from pipeline.omni import MAX_REPLY_TOKENS
 from pipeline.outputs import check_output_dir, check_output_path
 from pipeline.request import SpeechRequest, load_json
@@ -26,12 +26,13 @@ REQUEST_OPTIONS = ("text", "speaker", "language", "instruct", "ref_audio", "ref_
                    "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k",
                    "subtalker_top_p", "max_frames")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+DTYPE_HELP = "weights and activations; bfloat16 needs a GPU of compute capability 8.0 or newer (default %(default)s)"
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face Hub id (e.g. Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice) or local directory (required)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations (default %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help=DTYPE_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="answer one message with Qwen3-Omni, in text and speech")
     chat.add_argument("--model", required=True, help="Hugging Face Hub id (Qwen/Qwen3-Omni-30B-A3B-Instruct) or local directory (required)")
     chat.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
-    chat.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations (default %(default)s)")
+    chat.add_argument("--dtype", default="float32", choices=list(DTYPES), help=DTYPE_HELP)
     chat.add_argument("--text", default="", help="the message (after the audio, if both are given; default: none)")
     chat.add_argument("--audio", type=Path, help="a spoken message (WAV, FLAC, OGG or MP3; default: none)")
     chat.add_argument("--speaker", default="Ethan", help="the voice of the reply (Chelsie, Ethan, Aiden; default %(default)s)")
@@ -104,7 +105,7 @@ def synth(args: argparse.Namespace) -> None:
         if request.ref_audio is None:
             raise TTSInputError("--save-voice-prompt saves the voice computed from --ref-audio: give --ref-audio (with --ref-text or --x-vector-only).")
         check_output_path(args.save_voice_prompt, "voice")
-    torch_device(args.device)
+    device_dtype(args.device, args.dtype)
     tts = TTS.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     start = time.perf_counter()
     # Computed here only to be saved; the synthesis uses it as it would have computed it.
@@ -193,7 +194,7 @@ def synth_batch(args: argparse.Namespace) -> int:
 
     lines = read_batch(args.requests)
     check_output_dir(args.out_dir)
-    torch_device(args.device)
+    device_dtype(args.device, args.dtype)
     tts = TTS.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_queue=len(lines))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     submitted = []
@@ -241,7 +242,7 @@ def chat(args: argparse.Namespace) -> None:
     audio = load_message_audio(args.audio, AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS) if args.audio is not None else None
     request = ChatRequest([Turn("user", args.text, audio)], system=args.system or "", speaker=args.speaker, greedy=args.greedy, seed=args.seed,
                           max_new_tokens=args.max_new_tokens, max_frames=args.max_frames).validate()
-    torch_device(args.device)
+    device_dtype(args.device, args.dtype)
     directory = resolve_checkpoint(args.model, OMNI_FILES)
     # Before the weights load: the speaker from config.json, control tokens in the text from the tokenizer.
     PromptIds.from_config(read_omni_config(directory)).speaker(args.speaker)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -37,8 +38,11 @@ REQUIRED_FILES = (
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.txt", "*.safetensors", "speech_tokenizer/*"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")
+# bfloat16 arithmetic (and Triton's bf16 dots) from Ampere on; a T4 (7.5) has float16 tensor cores only.
+BFLOAT16_CAPABILITY = (8, 0)
+CUDA_ARCH = re.compile(r"sm_([0-9]+)([0-9])[a-z]?")
 
 
 def resolve_checkpoint(source: str, required: tuple[str, ...] = REQUIRED_FILES) -> Path:
@@ -129,6 +133,74 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise TTSInputError(f"Unsupported dtype '{name}': use one of {', '.join(DTYPES)}.")
     return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class CudaGPU:
+    """What the dtype choice reads of a CUDA GPU: its name and compute capability, and the oldest
+    compute capability this PyTorch build has machine code for (`CudaGPU.of` reads them; tests
+    name them)."""
+
+    name: str
+    capability: tuple[int, int]
+    oldest_supported: tuple[int, int]
+
+    @classmethod
+    def of(cls, device: torch.device) -> "CudaGPU":
+        return cls(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device), oldest_capability(torch.cuda.get_arch_list()))
+
+    def describe(self) -> str:
+        return f"This GPU ({self.name}, compute capability {_dotted(self.capability)})"
+
+
+def _dotted(capability: tuple[int, int]) -> str:
+    return f"{capability[0]}.{capability[1]}"
+
+
+def oldest_capability(arch_list: list[str]) -> tuple[int, int]:
+    """The oldest compute capability among a PyTorch build's CUDA architectures ("sm_75", "sm_120",
+    ...: torch.cuda.get_arch_list()); PTX entries ("compute_120") only run on newer GPUs; (0, 0)
+    where the list names none (a ROCm build). torch 2.11's and 2.13's CUDA 13 wheels start at sm_75:
+    CUDA 13 builds nothing older."""
+    found = [CUDA_ARCH.fullmatch(arch) for arch in arch_list]
+    return min(((int(m[1]), int(m[2])) for m in found if m), default=(0, 0))
+
+
+class DtypeChoice(NamedTuple):
+    """The dtype to load and run in, and the sentence that says which and why."""
+
+    name: str
+    sentence: str
+
+
+def choose_dtype(requested: str | None, gpu: CudaGPU | None) -> DtypeChoice:
+    """`requested` (None: the device's best) on `gpu` (None: the CPU), checked before anything loads:
+    bfloat16 on GPUs of compute capability 8.0 or newer, float16 below (they have no bfloat16),
+    float32 on the CPU. A GPU older than this PyTorch build runs, or a bfloat16 it cannot run, is
+    refused in one sentence."""
+    if requested is not None:
+        torch_dtype(requested)
+    if gpu is None:
+        name = requested or "float32"
+        return DtypeChoice(name, f"Running in {name} on the CPU.")
+    if gpu.capability < gpu.oldest_supported:
+        raise TTSInputError(f"{gpu.describe()} is too old for this PyTorch build (torch {torch.__version__}), which runs on compute "
+                            f"capability {_dotted(gpu.oldest_supported)} or newer: use --device cpu.")
+    has_bfloat16 = gpu.capability >= BFLOAT16_CAPABILITY
+    if requested == "bfloat16" and not has_bfloat16:
+        raise TTSInputError(f"{gpu.describe()} has no bfloat16, which needs compute capability {_dotted(BFLOAT16_CAPABILITY)} or newer: "
+                            "use --dtype float16 or float32.")
+    if requested is not None:
+        return DtypeChoice(requested, f"{gpu.describe()} runs in {requested}, as requested.")
+    if has_bfloat16:
+        return DtypeChoice("bfloat16", f"{gpu.describe()} runs in bfloat16.")
+    return DtypeChoice("float16", f"{gpu.describe()} has no bfloat16; running in float16.")
+
+
+def device_dtype(device: str, requested: str | None) -> DtypeChoice:
+    """`choose_dtype` for the device named `device` (cpu, cuda, cuda:N), checked first by `torch_device`."""
+    checked = torch_device(device)
+    return choose_dtype(requested, CudaGPU.of(checked) if checked.type == "cuda" else None)
 
 
 def torch_device(name: str) -> torch.device:

@@ -24,9 +24,10 @@ from pipeline.omni import HUB_ID as OMNI_HUB_ID
 from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, ChatRequest, OmniChat, TextDelta, Turn
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.model import MODEL_TYPES
-from pipeline import voice_file
+from pipeline import memory_plan, voice_file
+from pipeline.loading import torch_device, torch_dtype
 from pipeline.request import SpeechRequest
-from pipeline.tts import SAMPLES_PER_FRAME, TTS, VoicePrompt
+from pipeline.tts import SAMPLES_PER_FRAME, TTS, VoicePrompt, planned_rows
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +140,16 @@ class ModelService:
         compiled: bool = False,
         rows: int | None = None,
         fused: bool | None = None,
+        free_memory: int | None = None,
     ):
-        """`fused`: the fused Triton decode kernels (None: where the GPU runs them; see pipeline.kernels)."""
+        """`fused`: the fused Triton decode kernels (None: where the GPU runs them; see pipeline.kernels).
+        `free_memory`: the bytes each model's rows are planned against (pipeline.memory_plan; None: the
+        GPU's free memory when it loads, and no plan on the CPU)."""
         merged = dict(HUB_CHECKPOINTS)
         merged.update(choices or {})
         self.choices = {kind: (TINY,) for kind in TAB_TYPES} if tiny else merged
         self.device, self.dtype, self.compiled, self.rows, self.fused = device, dtype, compiled, rows, fused
+        self.free_memory = free_memory
         self._tiny_root = Path(tiny_dir) if tiny_dir else Path(tempfile.mkdtemp(prefix="qwen3-tts-tiny-"))
         self._models: dict[tuple[str, str], TTS | OmniChat] = {}  # (model type, checkpoint) -> model
         self._load_locks: dict[tuple[str, str], threading.Lock] = {}
@@ -227,12 +232,14 @@ class ModelService:
         if model_type == OMNI:
             try:
                 return OmniChat.from_pretrained(source, device=self.device, dtype=self.dtype, rows=self.rows, compiled=self.compiled,
-                                                fused=self.fused, vocoder_lanes=3 if self.device.startswith("cuda") else 1)
+                                                fused=self.fused, vocoder_lanes=3 if self.device.startswith("cuda") else 1,
+                                                free_memory=self.free_memory)
             except CheckpointError as exc:
                 self._fall_back(model_type, source, str(exc))
                 return self._tiny(model_type)
         try:
-            tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype, compiled=self.compiled, rows=self.rows, fused=self.fused)
+            tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype, compiled=self.compiled, rows=self.rows, fused=self.fused,
+                                      free_memory=self.free_memory)
         except CheckpointError as exc:
             self._fall_back(model_type, source, str(exc))
             return self._tiny(model_type)
@@ -249,24 +256,66 @@ class ModelService:
             self.fallbacks[source] = Fallback(model_type, source, reason)
 
     def _tiny(self, model_type: str) -> TTS | OmniChat:
-        from pipeline.tiny import write_tiny_checkpoint, write_tiny_omni_checkpoint
-
         key = (model_type, f"{TINY}:{model_type}")  # shared by the "tiny" choice and every fallback
         with self._tiny_lock:
             if key not in self._models:
-                directory = self._tiny_root / model_type
-                if not directory.is_dir():  # written aside and renamed: a failed write leaves no half checkpoint
-                    partial = Path(tempfile.mkdtemp(prefix=f"{model_type}-", dir=self._tiny_root))
-                    if model_type == OMNI:
-                        write_tiny_omni_checkpoint(partial, seed=0)
-                    else:
-                        write_tiny_checkpoint(partial, model_type, seed=0)
-                    partial.rename(directory)
+                directory = self._tiny_directory(model_type)
                 if model_type == OMNI:
-                    self._models[key] = OmniChat.from_pretrained(str(directory), device=self.device, dtype=self.dtype, fused=self.fused)
+                    self._models[key] = OmniChat.from_pretrained(str(directory), device=self.device, dtype=self.dtype, fused=self.fused,
+                                                                 free_memory=self.free_memory)
                 else:
-                    self._models[key] = TTS.from_pretrained(str(directory), device=self.device, dtype=self.dtype, rows=self.rows, fused=self.fused)
+                    self._models[key] = TTS.from_pretrained(str(directory), device=self.device, dtype=self.dtype, rows=self.rows, fused=self.fused,
+                                                            free_memory=self.free_memory)
             return self._models[key]
+
+    def _tiny_directory(self, model_type: str) -> Path:
+        """The tiny random checkpoint of `model_type`, written on first use (under `_tiny_lock`)."""
+        from pipeline.tiny import write_tiny_checkpoint, write_tiny_omni_checkpoint
+
+        directory = self._tiny_root / model_type
+        if not directory.is_dir():  # written aside and renamed: a failed write leaves no half checkpoint
+            partial = Path(tempfile.mkdtemp(prefix=f"{model_type}-", dir=self._tiny_root))
+            if model_type == OMNI:
+                write_tiny_omni_checkpoint(partial, seed=0)
+            else:
+                write_tiny_checkpoint(partial, model_type, seed=0)
+            partial.rename(directory)
+        return directory
+
+    def check_rows(self) -> None:
+        """Before any model loads, where rows were asked for and are planned (on CUDA, or with `free_memory`):
+        NotEnoughMemory with its sentence if they do not fit beside a TTS tab's default checkpoint on its
+        own. Checked for the checkpoints whose configs are at hand (a local directory, a tiny one, the Hub
+        cache); the others, and checkpoints whose weights alone do not fit, are checked when they load."""
+        if self.rows is None or (self.free_memory is None and not self.device.startswith("cuda")):
+            return
+        asked = {"rows": self.rows, "fused": self.fused}
+        for model_type in MODEL_TYPES:
+            source = self.default_checkpoint(model_type)
+            directory = self._configs_at_hand(model_type, source)
+            if directory is None:
+                continue
+            try:
+                planned_rows(directory, source, torch_device(self.device), torch_dtype(self.dtype), self.free_memory, asked)
+            except CheckpointError:  # a damaged or partly cached checkpoint: said when it loads
+                continue
+            except memory_plan.NotEnoughMemory as exc:
+                if exc.field == "rows":  # not the weights, which are said when it loads
+                    raise
+
+    def _configs_at_hand(self, model_type: str, source: str) -> Path | None:
+        """The directory holding `source`'s config files without a download, or None."""
+        if source == TINY or source in self.fallbacks:
+            with self._tiny_lock:
+                return self._tiny_directory(model_type)
+        if Path(source).expanduser().is_dir():
+            return Path(source).expanduser()
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(source, allow_patterns=["config.json", "speech_tokenizer/config.json"], local_files_only=True))
+        except Exception:  # not in the cache (LocalEntryNotFoundError), or not a Hub id: checked when it loads
+            return None
 
     # ---- voice prompts -----------------------------------------------------------------------
 

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from pipeline import audio as audio_io
-from pipeline import voice_file
+from pipeline import memory_plan, voice_file
 from pipeline.codec import SpeechTokenizer
 from pipeline.engine import BatchDecoder, Engine, Handle, Job, SamplingConfig, Segment
 from pipeline.errors import TTSInputError
+from pipeline.kernels import fused_available
 from pipeline.kernels.config import KernelConfig
 from pipeline.loading import load_model, load_text_tokenizer, read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.model import Qwen3TTS
@@ -27,9 +28,23 @@ from pipeline.voice_file import SavedVoice, VoiceSpace
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ = 2048  # talker positions per segment: prompt + up to ~2.5 min of audio; long texts are split
-DEFAULT_ROWS = {"cuda": 16, "cpu": 4}  # utterances decoded together (the batch of the decode step)
+# Utterances decoded together (the batch of the decode step) when none are asked for; on CUDA at most
+# these, as many as the free memory holds (pipeline.memory_plan).
+DEFAULT_ROWS = {"cuda": 16, "cpu": 4}
 VOCODER_LANES = {"cuda": 4}  # vocoder calls that may run at once (pipeline.engine.core.vocoder_lane); one on the CPU
 SAMPLES_PER_FRAME = 1920
+
+
+def planned_rows(directory: Path, source: str, device: torch.device, dtype: torch.dtype, free: int | None, options: dict) -> int | None:
+    """The engine's rows for a checkpoint: on CUDA, or wherever `free` bytes are given, checked against the
+    free memory (see `TTS.from_pretrained`); elsewhere those asked for (None: the device's default)."""
+    if free is None and device.type != "cuda":
+        return options.get("rows")
+    fused = options.get("fused")
+    frame_kernels = device.type == "cuda" and (fused_available(device) if fused is None else fused)
+    plan = memory_plan.tts_checkpoint_plan(directory, dtype, options.get("max_seq", DEFAULT_MAX_SEQ), memory_plan.checkpoint_name(source),
+                                           frame_kernels, max_rows=DEFAULT_ROWS.get(device.type, 4))
+    return plan.choose_rows(options.get("rows"), memory_plan.free_memory(device) if free is None else free)
 
 
 @dataclass
@@ -89,10 +104,14 @@ class TTS:
             self.engine = Engine(decoder, vocoder, max_queue=max_queue)
 
     @classmethod
-    def from_pretrained(cls, source: str, device: str = "cpu", dtype: str = "float32", **options) -> "TTS":
-        """Load from a Hugging Face Hub id or a local directory in the official layout."""
+    def from_pretrained(cls, source: str, device: str = "cpu", dtype: str = "float32", free_memory: int | None = None, **options) -> "TTS":
+        """Load from a Hugging Face Hub id or a local directory in the official layout. On CUDA, or
+        wherever `free_memory` (bytes) is given, the rows are planned before the weights load
+        (pipeline.memory_plan): those asked for if they fit, else NotEnoughMemory; none asked for, as
+        many as fit up to the default."""
         torch_dev, torch_dt = torch_device(device), torch_dtype(dtype)
         directory = resolve_checkpoint(source)
+        options["rows"] = planned_rows(directory, source, torch_dev, torch_dt, free_memory, options)
         model = load_model(directory, torch_dev, torch_dt)
         # The codec runs in float32 whatever the talker's dtype: in bf16 its 12-stage vocoder turns
         # rounding into ~0.05 of difference between chunked and offline decoding (docs/BENCHMARKS.md),

@@ -208,8 +208,8 @@ def test_unavailable_device_and_dtype(capsys, synth_args, tiny_checkpoints):
     if not torch.cuda.is_available():
         code, err = cli_error(capsys, *synth_args("voice_design", "--text", "Hi.", "--device", "cuda"))
         assert code == EXIT_BAD_INPUT and "no CUDA GPU is available" in err
-    with pytest.raises(TTSInputError, match="Unsupported dtype 'float16'"):
-        TTS.from_pretrained(str(tiny_checkpoints["voice_design"]), dtype="float16")
+    with pytest.raises(TTSInputError, match="Unsupported dtype 'float64'"):
+        TTS.from_pretrained(str(tiny_checkpoints["voice_design"]), dtype="float64")
 
 
 def test_synth_batch_equals_synth_per_request_and_reports_bad_lines(tiny_checkpoints, reference_wav, tmp_path, capsys):

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline import memory_plan
 from pipeline.audio import load_message_audio
 from pipeline.codec import MultiStreamDecoder
 from pipeline.config_types import ROPE, check_config, dataclass_schema
@@ -50,7 +51,7 @@ DEFAULT_SYSTEM_PROMPT = (
 MAX_PROMPT = 2030  # thinker positions of the conversation (so the talker's prompt fits its largest prefill); older turns are dropped beyond
 MAX_REPLY_TOKENS = 1024  # reply tokens at most (and by default): the thinker's cache slot is sized for them
 THINKER_MAX_SEQ = MAX_PROMPT + MAX_REPLY_TOKENS  # thinker positions per conversation (its cache slot)
-DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once
+DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once; on CUDA fewer where the free memory holds fewer (pipeline.memory_plan)
 TALKER_MAX_SEQ = 4096  # talker positions per conversation: the user turns + 9 + frames
 CLOSE_TIMEOUT_S = 10.0
 SPEECH_TAIL_FRAMES = 25  # frames a reply may speak beyond one per token before it is cut (the talker ends sooner)
@@ -59,7 +60,6 @@ FRAME_SECONDS = 0.08
 # The talker samples as transformers' Qwen3-Omni generate does; its code predictor with top-k 50, top-p 0.8.
 TALKER_SAMPLING = SamplingConfig(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
                                  subtalker_dosample=True, subtalker_temperature=1.0, subtalker_top_k=50, subtalker_top_p=0.8)
-BYTES_PER_PARAMETER = {torch.bfloat16: 2, torch.float32: 4}
 MEMORY_HEADROOM = 1.15  # caches, activations, CUDA graphs and the allocator's slack on top of the weights
 KNOWN_PARAMETERS = {HUB_ID: 35_260_000_000}  # checked before a download of ~70 GB
 
@@ -192,9 +192,12 @@ class OmniChat:
             self.engine = Engine(decoder, vocoder, max_queue=max_queue)
 
     @classmethod
-    def from_pretrained(cls, source: str = HUB_ID, device: str = "cpu", dtype: str = "float32", **options) -> "OmniChat":
+    def from_pretrained(cls, source: str = HUB_ID, device: str = "cpu", dtype: str = "float32", free_memory: int | None = None,
+                        **options) -> "OmniChat":
         """From a Hugging Face Hub id or a local directory in the official layout; the free memory of
-        the device is checked against the weights first."""
+        the device is checked against the weights first, and, on CUDA or wherever `free_memory` (bytes)
+        is given, against the rows (pipeline.memory_plan): those asked for if they fit, else
+        NotEnoughMemory; none asked for, as many as fit up to the default."""
         from transformers import AutoTokenizer, WhisperFeatureExtractor
 
         torch_dev, torch_dt = torch_device(device), torch_dtype(dtype)
@@ -205,6 +208,7 @@ class OmniChat:
         check_memory(directory, torch_dev, torch_dt)
         ids = PromptIds.from_config(config)
         talker_raw = config.get("talker_config") or {}
+        options["rows"] = planned_rows(directory, config, source, torch_dev, torch_dt, free_memory, options)
         slots = options.get("rows") or DEFAULT_ROWS.get(torch_dev.type, 2)
         thinker = Thinker.from_pretrained(directory, torch_dev, torch_dt, int(talker_raw.get("accept_hidden_layer", 24)),
                                           slots=slots, max_len=THINKER_MAX_SEQ)
@@ -485,6 +489,17 @@ def _check_transformers_types(path: Path, config: dict[str, Any]) -> None:
         raise CheckpointError(f"{path} is not a Qwen3-Omni config transformers can read: {' '.join(str(exc).split())}") from None
 
 
+def planned_rows(directory: Path, config: dict[str, Any], source: str, device: torch.device, dtype: torch.dtype, free: int | None,
+                 options: dict) -> int | None:
+    """Talker rows and thinker slots: on CUDA, or wherever `free` bytes are given, checked against the
+    free memory (see `OmniChat.from_pretrained`); elsewhere those asked for (None: the device's default)."""
+    if free is None and device.type != "cuda":
+        return options.get("rows")
+    plan = memory_plan.omni_plan(config, memory_plan.omni_weight_bytes(directory, dtype), dtype, options.get("max_seq", TALKER_MAX_SEQ),
+                                 THINKER_MAX_SEQ, memory_plan.checkpoint_name(source), max_rows=DEFAULT_ROWS.get(device.type, 2))
+    return plan.choose_rows(options.get("rows"), memory_plan.free_memory(device) if free is None else free)
+
+
 def load_talker(directory: Path, raw: dict, device: torch.device, dtype: torch.dtype) -> OmniTalker:
     """Our talker from the checkpoint's `talker.*` tensors (per-expert tensors stacked on load)."""
     talker = load_part(directory, "talker.", lambda: OmniTalker(OmniTalkerConfig.from_dict(raw)), "talker_config")
@@ -496,7 +511,7 @@ def check_memory(directory: Path | None, device: torch.device, dtype: torch.dtyp
     is needed and what the machine has. `parameters`: counted from the checkpoint's safetensors when None."""
     if parameters is None:
         parameters = count_parameters(directory)
-    needed = parameters * BYTES_PER_PARAMETER[dtype] * MEMORY_HEADROOM
+    needed = parameters * dtype.itemsize * MEMORY_HEADROOM
     precision = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
