@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rows", type=int, default=None,
         help="utterances each model decodes together (its batch; default on CUDA: as many as the GPU's free memory holds, at most 16 for "
-        "Qwen3-TTS and 8 for Qwen3-Omni; 4 and 2 on CPU); more wait in a FIFO queue",
+        "Qwen3-TTS (8 on a card under 40 GiB) and 8 for Qwen3-Omni; 4 and 2 on CPU); more wait in a FIFO queue",
     )
     parser.add_argument("--sessions", default="listening", help="folder of the listening sessions: their files, clips and votes (SQLite) (default %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("QWEN_TTS_API_KEY"),

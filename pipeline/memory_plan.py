@@ -28,9 +28,14 @@ GIB = 2**30
 # blocks, the prefill buckets and the vocoder's call sizes per lane), cuBLAS and Triton workspaces,
 # prefill activations and the caching allocator's slack: torch.cuda.memory_reserved() after warm-up,
 # less the plan's weights and rows. Measured on an H100 (random weights at the real size, bf16,
-# compiled): the first engine of a process, 0.6B with 4 rows, 2.69 GiB (6.09 reserved); a second
-# engine in the same process, 16 rows, 0.94 (0.6B) and 0.76 GiB (1.7B), the process's share paid.
-TTS_RESERVE_BYTES = 3 * GIB
+# compiled): a second engine in a process, 16 rows, 0.94 GiB (0.6B) and 0.76 GiB (1.7B). The first
+# engine of a process took 2.69 GiB (0.6B, 4 rows): 1.75 GiB more, paid once (PROCESS_RESERVE_BYTES).
+TTS_RESERVE_BYTES = 1 * GIB
+PROCESS_RESERVE_BYTES = int(1.75 * GIB)
+# Rows a TTS model gets at most without --rows: 16, or 8 on a card under 40 GiB, where the three default
+# checkpoints (0.6B Base, 0.6B CustomVoice, 1.7B VoiceDesign) share the memory: with 8 rows each they
+# need about 20 GiB together, which a 24 GB card (an L4) holds; with 16 the third would not fit.
+TTS_ROWS_BIG_CARD, TTS_ROWS_SMALL_CARD, BIG_CARD = 16, 8, 40 * GIB
 # Qwen3-Omni on an H100 (pipeline.bench_omni, docs/BENCHMARKS.md): 4.7 GiB reserved beyond what is
 # allocated once ready, for the thinker's shared graph pool and prefill staging, the talker's MoE prefill.
 OMNI_RESERVE_BYTES = 6 * GIB
@@ -91,9 +96,16 @@ def gib(size: int) -> str:
 
 def free_memory(device: torch.device) -> int:
     """Bytes a new model can take on `device`: the GPU's free memory and what PyTorch's caching allocator
-    holds unused (freed by models before, counted as used by the driver)."""
+    holds unused (freed by models before, counted as used by the driver), less what the process's first
+    model pays once (PROCESS_RESERVE_BYTES) while none is loaded."""
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    first = torch.cuda.memory_allocated(device) == 0
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - (PROCESS_RESERVE_BYTES if first else 0)
+
+
+def tts_row_cap(total: int) -> int:
+    """The rows a TTS model gets at most without --rows on a card of `total` bytes (see TTS_ROWS_SMALL_CARD)."""
+    return TTS_ROWS_BIG_CARD if total >= BIG_CARD else TTS_ROWS_SMALL_CARD
 
 
 def checkpoint_name(source: str) -> str:
@@ -281,7 +293,7 @@ def table(plans: list[MemoryPlan], gpus_gib: tuple[int, ...] = TABLE_GPU_GIB) ->
     for plan in plans:
         cells = []
         for g in gpus_gib:
-            free = g * GIB - CUDA_CONTEXT_BYTES
+            free = g * GIB - CUDA_CONTEXT_BYTES - PROCESS_RESERVE_BYTES
             cells.append(str(plan.rows_that_fit(free)) if plan.needed(1) <= free else "does not fit")
         lines.append(f"| {plan.name} | {gib(plan.weights)} | {plan.per_row / 2**20:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

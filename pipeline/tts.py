@@ -28,8 +28,8 @@ from pipeline.voice_file import SavedVoice, VoiceSpace
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ = 2048  # talker positions per segment: prompt + up to ~2.5 min of audio; long texts are split
-# Utterances decoded together (the batch of the decode step) when none are asked for; on CUDA at most
-# these, as many as the free memory holds (pipeline.memory_plan).
+# Utterances decoded together (the batch of the decode step) when none are asked for; on CUDA as many
+# as the free memory holds, at most 16 (8 on a card under 40 GiB; pipeline.memory_plan).
 DEFAULT_ROWS = {"cuda": 16, "cpu": 4}
 VOCODER_LANES = {"cuda": 4}  # vocoder calls that may run at once (pipeline.engine.core.vocoder_lane); one on the CPU
 SAMPLES_PER_FRAME = 1920
@@ -43,8 +43,15 @@ def planned_rows(directory: Path, source: str, device: torch.device, dtype: torc
     fused = options.get("fused")
     frame_kernels = device.type == "cuda" and (fused_available(device) if fused is None else fused)
     plan = memory_plan.tts_checkpoint_plan(directory, dtype, options.get("max_seq", DEFAULT_MAX_SEQ), memory_plan.checkpoint_name(source),
-                                           frame_kernels, max_rows=DEFAULT_ROWS.get(device.type, 4))
+                                           frame_kernels, max_rows=row_cap(device))
     return plan.choose_rows(options.get("rows"), memory_plan.free_memory(device) if free is None else free)
+
+
+def row_cap(device: torch.device) -> int:
+    """The rows an engine gets at most without --rows: by the card's size on CUDA (pipeline.memory_plan), else the device's default."""
+    if device.type == "cuda":
+        return memory_plan.tts_row_cap(torch.cuda.get_device_properties(device).total_memory)
+    return DEFAULT_ROWS.get(device.type, 4)
 
 
 @dataclass

@@ -138,3 +138,20 @@ def test_the_app_stops_at_start_with_exit_code_2_when_the_rows_do_not_fit(tiny_c
     assert capsys.readouterr().err.strip().endswith(plan_of(Path(dirs["base"])).rows_sentence(200, free))
     args.rows = 3
     assert app.local_service(args, parser, free_memory=free).rows == 3  # they fit: the app starts
+
+
+def test_the_three_default_checkpoints_fit_a_24_gb_card_with_the_rows_they_get():
+    """An L4 (the dedicated-GPU Space: 22.5 GiB usable of its 24 GB): the app's default checkpoints of the three
+    TTS tabs, each with the rows it gets without --rows on that card, beside the CUDA context and what the
+    process's first model pays once; with 16 rows each the third would not fit."""
+    from pipeline.service import HUB_CHECKPOINTS
+
+    l4 = int(22.5 * memory_plan.GIB)
+    plans = {plan.name: plan for plan in memory_plan.table_plans()}
+    defaults = [plans[memory_plan.checkpoint_name(HUB_CHECKPOINTS[kind][0])] for kind in ("base", "custom_voice", "voice_design")]
+    rows = memory_plan.tts_row_cap(l4)
+    fixed = memory_plan.CUDA_CONTEXT_BYTES + memory_plan.PROCESS_RESERVE_BYTES
+    assert rows == 8
+    assert fixed + sum(plan.needed(rows) for plan in defaults) <= l4
+    assert fixed + sum(plan.needed(16) for plan in defaults) > l4
+    assert memory_plan.tts_row_cap(80 * memory_plan.GIB) == 16
