@@ -156,6 +156,14 @@ def test_omni_reply_starts_in_view_keeps_stop_in_place_and_is_shown_once(laptop,
     stop_at_first_token = page.locator("#omni-stop").bounding_box()
     page.wait_for_function("() => /Last turn/.test(document.querySelector('#omni-stats').innerText)")
     assert page.locator("#omni-stop").bounding_box() == stop_at_first_token
+    # The end: the stats line, the WAV, and the panel's table and plot with every chunk the player heard.
+    assert re.search(r"first text token \d+ ms · first audio \d+ ms .* 80 tokens", page.locator("#omni-stats").inner_text())
+    page.locator("#omni-audio audio[src]").wait_for(state="attached")
+    page.wait_for_function("() => { const s = window.qwenTTS.player('omni').stats; return s && s.done; }")
+    chunks = page.evaluate("() => window.qwenTTS.player('omni').stats.chunks")
+    assert int(page.locator("#omni-table [role=grid]").get_attribute("aria-rowcount")) - 1 == chunks
+    lines = page.locator("#omni-plot polyline").count()
+    assert lines >= 1 and page.locator("#omni-plot circle").count() == lines * chunks  # a point per chunk on each stage's line
     reply = page.locator("#omni-live").inner_text().strip()
     assert len(reply.split()) > 20 and page.locator("body").inner_text().count(reply) == 1
     renders = page.evaluate("() => window.renders")

@@ -10,6 +10,8 @@ plot and summary follow through Gradio's queue. Gradio's own streaming audio re-
 """
 from __future__ import annotations
 
+import html
+import math
 import queue
 import threading
 import time
@@ -26,6 +28,9 @@ from ui.pcm_stream import CHANNELS, ROUTE, RUN_ID
 from ui.errors import input_error, toast_text, warn
 
 PLAYER_JS = Path(__file__).with_name("player.js")
+ARRIVAL_GAP = "arrival gap (here)"
+STAGE_COLORS = {"generate": "#4c78a8", "vocode": "#f58518", ARRIVAL_GAP: "#54a24b"}
+PLOT_VIEW = (360, 260)  # the plot's SVG coordinates, about its column's width in pixels: it scales to that width
 TABLE_HEADERS = ["chunk", "frames", "generate ms", "vocode ms", "ms since request", "RTF"]
 # The table and plot re-render at most this often: rendering on every chunk costs the browser the
 # CPU time that the next chunks need (on a small CPU machine it caused gaps).
@@ -44,6 +49,11 @@ CSS = """
    the click leaves it in view when they arrive. */
 .pcm-summary { min-height: 3.4em; }
 .pcm-take { min-height: 1.6em; }
+.pcm-plot svg { display: block; width: 100%; height: auto; font-size: 11px; }
+.pcm-plot text { fill: currentColor; opacity: 0.75; }
+.pcm-plot .pcm-grid { stroke: currentColor; opacity: 0.15; }
+.pcm-plot-legend { display: flex; flex-wrap: wrap; gap: 0.25em 1em; font-size: 0.8em; opacity: 0.85; }
+.pcm-plot-legend i { display: inline-block; width: 0.8em; height: 0.8em; border-radius: 50%; margin-right: 0.35em; vertical-align: -0.05em; }
 .pcm-legend { font-size: 0.8em; opacity: 0.75; margin-top: 0.25em; line-height: 1.35; }
 /* Narrow screens (phones): the table keeps the columns a reader needs (chunk, ms since the request,
    RTF) and drops the per-stage times, which the plot under it shows; the strip's figures wrap. */
@@ -119,13 +129,59 @@ def table_frame(rows: list[list]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=TABLE_HEADERS)
 
 
-def plot_frame(chunks: list[Chunk]) -> pd.DataFrame:
-    rows = [(c.index, c.generate_ms, "generate") for c in chunks if c.generate_ms is not None]
-    rows += [(c.index, c.vocode_ms, "vocode") for c in chunks if c.vocode_ms is not None]
-    if chunks and not rows:  # a remote backend reports neither: plot what is measured here, the time between arrivals
+def plot_series(chunks: list[Chunk]) -> dict[str, list[tuple[int, float]]]:
+    """The plot's lines: (chunk, ms) per stage, for the stages the chunks report."""
+    series = {"generate": [(c.index, c.generate_ms) for c in chunks if c.generate_ms is not None],
+              "vocode": [(c.index, c.vocode_ms) for c in chunks if c.vocode_ms is not None]}
+    if chunks and not any(series.values()):  # a remote backend reports neither: plot what is measured here, the time between arrivals
         arrivals = [0.0] + [c.elapsed_ms for c in chunks]
-        rows = [(c.index, arrivals[i + 1] - arrivals[i], "arrival gap (here)") for i, c in enumerate(chunks)]
-    return pd.DataFrame(rows, columns=["chunk", "ms", "stage"])
+        series = {ARRIVAL_GAP: [(c.index, arrivals[i + 1] - arrivals[i]) for i, c in enumerate(chunks)]}
+    return {stage: points for stage, points in series.items() if points}
+
+
+def axis_top(ms: float) -> float:
+    """The y axis' top: the smallest 1, 2 or 5 times a power of ten at or above `ms`."""
+    if ms <= 0:
+        return 1.0
+    power = 10.0 ** math.floor(math.log10(ms))
+    return next(step * power for step in (1, 2, 5, 10) if step * power >= ms)
+
+
+def plot_html(chunks: list[Chunk]) -> str:
+    """The per-chunk latency plot as inline SVG markup: chunks along x, ms up y, a line per stage
+    (each point's figures in its tooltip). The browser draws it as it draws any HTML, where a charting
+    library's plot (gr.LinePlot) compiles its chart on every update: 100-200 ms of the page's main
+    thread each time, while the reply streams."""
+    series = plot_series(chunks)
+    width, height = PLOT_VIEW
+    left, right, top, bottom = 44, 12, 30, 34  # the top leaves room for the label floating over the plot
+    xs = [x for points in series.values() for x, _ in points] or [0]
+    first, last = min(xs), max(xs)
+    top_ms = axis_top(max((ms for points in series.values() for _, ms in points), default=0.0))
+
+    def x_at(chunk: float) -> float:
+        return left + (width - left - right) * ((chunk - first) / (last - first) if last > first else 0.5)
+
+    def y_at(ms: float) -> float:
+        return top + (height - top - bottom) * (1 - ms / top_ms)
+
+    marks = []
+    for fraction in (0, 0.25, 0.5, 0.75, 1):
+        y = y_at(top_ms * fraction)
+        marks.append(f'<line class="pcm-grid" x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}"/>'
+                     f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{top_ms * fraction:g}</text>')
+    if series:
+        marks += [f'<text x="{x_at(c):.1f}" y="{height - bottom + 15}" text-anchor="middle">{c}</text>' for c in sorted({first, last})]
+    marks.append(f'<text x="{(left + width - right) / 2}" y="{height - 3}" text-anchor="middle">chunk</text>')
+    for stage, points in series.items():
+        color = STAGE_COLORS[stage]
+        line = " ".join(f"{x_at(c):.1f},{y_at(ms):.1f}" for c, ms in points)
+        marks.append(f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="2"/>')
+        marks += [f'<circle cx="{x_at(c):.1f}" cy="{y_at(ms):.1f}" r="3" fill="{color}"><title>chunk {c} · {html.escape(stage)} {ms:.1f} ms</title></circle>'
+                  for c, ms in points]
+    legend = "".join(f'<span><i style="background:{STAGE_COLORS[stage]}"></i>{html.escape(stage)}</span>' for stage in series) or "no chunks yet"
+    return (f'<svg viewBox="0 0 {width} {height}" role="img" aria-label="per-chunk latency in ms">{"".join(marks)}</svg>'
+            f'<div class="pcm-plot-legend">{legend}</div>')
 
 
 @dataclass
@@ -157,7 +213,7 @@ class LatencyPanel:
     name: str
     strip: LiveStrip
     table: gr.Dataframe
-    plot: gr.LinePlot
+    plot: gr.HTML
     audio: gr.Audio
 
     @classmethod
@@ -169,10 +225,13 @@ class LatencyPanel:
                 headers=TABLE_HEADERS, label="Chunks as they arrive", interactive=False, elem_id=f"{name}-table", elem_classes=["pcm-table"],
                 scale=3, min_width=300,
             )
-            plot = gr.LinePlot(
-                plot_frame([]), x="chunk", y="ms", color="stage", label="Per-chunk latency (ms)", elem_id=f"{name}-plot", scale=2, min_width=300,
-            )
-        audio = gr.Audio(label="Full utterance (WAV, downloadable)", type="numpy", format="wav", interactive=False, elem_id=f"{name}-audio")
+            with gr.Column(scale=2, min_width=300):  # a column keeps the width where the row wraps (gr.HTML has no min width of its own)
+                plot = gr.HTML(plot_html([]), label="Per-chunk latency (ms)", show_label=True, container=True, padding=True, js_on_load=None,
+                               elem_id=f"{name}-plot", elem_classes=["pcm-plot"])
+        # The browser's own player: Gradio's waveform player draws the whole utterance's waveform on the
+        # page's main thread when the WAV arrives (60-100 ms for 15 s of audio), as the next click may come.
+        audio = gr.Audio(label="Full utterance (WAV, downloadable)", type="numpy", format="wav", interactive=False, elem_id=f"{name}-audio",
+                         waveform_options=gr.WaveformOptions(show_recording_waveform=False))
         return cls(name, strip, table, plot, audio)
 
     @property
@@ -214,8 +273,11 @@ class LatencyPanel:
 
     def starting(self, seed: int | None, text: str) -> dict:
         """The panel as a run starts: the last run's table, plot and WAV cleared, what happens now, and the seed."""
-        return {self.summary: text, self.take: "" if seed is None else take_text(seed), self.table: table_frame([]),
-                self.plot: plot_frame([]), self.audio: None}
+        return {self.summary: text, self.take: "" if seed is None else take_text(seed), **self.cleared()}
+
+    def cleared(self) -> dict:
+        """The last run's table, plot and WAV cleared."""
+        return {self.table: table_frame([]), self.plot: plot_html([]), self.audio: None}
 
     def stopped_update(self, made: dict | None) -> dict:
         """For a Stop that cancels its run's event (whose own last update then never comes): the summary
@@ -292,7 +354,7 @@ class LatencyPanel:
             # every batch of an Omni reply's text.
             if done and (added or ended):
                 summary = summary_text(start, done, first_sent_ms, ended, end.warnings)
-                extra.update({self.table: table_frame(rows), self.plot: plot_frame(done), self.summary: summary})
+                extra.update({self.table: table_frame(rows), self.plot: plot_html(done), self.summary: summary})
             if extra:
                 yield extra
             next_update = time.perf_counter() + UPDATE_INTERVAL_S

@@ -157,27 +157,35 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
         try:
             yield from reply_turn(name, speaker_name, system_prompt, tokens, seed_value, text or "", audio_path, conversation(history, last_reply),
                                   run_id, controls.run_key(request, NAME, run_id), received, lambda: replying.get(session) == run_id, progress)
-        except gr.Error as exc:  # the toast fades; the sentence stays where the reply would have been
+        except gr.Error as exc:  # the toast fades; the sentence stays where the reply would have been, the last reply's panel cleared
             if replying.get(session) == run_id:
-                yield {live: failed_html(exc.message), panel.summary: ""}
+                yield failed(exc.message)
             raise
         except Exception as exc:
             log.exception("Omni chat turn failed")
             sentence = toast_text(failure_sentence(exc))
             if replying.get(session) == run_id:
-                yield {live: failed_html(sentence), panel.summary: ""}
+                yield failed(sentence)
             raise gr.Error(sentence, print_exception=False) from exc
         finally:
             panel.end(run_id)
             if replying.get(session) == run_id:
                 del replying[session]
 
+    def failed(sentence: str) -> dict:
+        """A failed turn's update: its sentence where the reply would have been, the last reply's panel cleared."""
+        return {live: failed_html(sentence), **panel.starting(None, "")}
+
     def reply_turn(name, speaker_name, system_prompt, tokens, seed_value, text, audio_path, history, run_id, key, received, current, progress):
-        """The turn's updates: what happens first (and the seed), then the reply's text into `live` and the panel's."""
+        """The turn's updates: the message taken (and the seed) into the conversation, then the reply's
+        text into `live` and the panel's, the last reply's table, plot and WAV cleared with the first of
+        them rather than with the message: the page's work for one update grows with its outputs, and
+        the message's was the reply's longest main-thread task. A checkpoint that is not loaded yet
+        says so first."""
         taken = controls.take_seed(seed_value)
         checkpoint = name or service.default_checkpoint(MODEL_TYPE)
-        waiting = READING if service.is_loaded(MODEL_TYPE, checkpoint) else live_note(controls.loading_text(service, MODEL_TYPE, checkpoint))
-        yield {live: waiting, stats: "", **panel.starting(None, "Starting…")}
+        if not service.is_loaded(MODEL_TYPE, checkpoint):
+            yield {live: live_note(controls.loading_text(service, MODEL_TYPE, checkpoint)), stats: "", **panel.starting(None, "Starting…")}
         controls.load_checkpoint(service, MODEL_TYPE, checkpoint, progress)
         history = history + [{"role": "user", "text": text, "audio": audio_path}]
         chat_request = ChatRequest([Turn(**t) for t in history], system=system_prompt or "", speaker=speaker_name or DEFAULT_SPEAKER,
@@ -185,8 +193,9 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
         stream = service.chat(chat_request, checkpoint, key)
         start = controls.open_stream(stream)
         # Accepted: the message joins the conversation (the chatbot follows `turns`) and leaves the input boxes.
-        yield {message: "", audio: None, live: READING, stats: seed_text(taken), turns: history, reply: ""}
+        yield {message: "", audio: None, live: READING, stats: seed_text(taken), turns: history, reply: "", panel.summary: "Starting…"}
         deltas: list[TextDelta] = []
+        cleared = panel.cleared()  # sent with the reply's first update (which overrides what it sets), apart from the message's
 
         def on_event(event) -> dict:
             if not current():  # a newer message owns the box and the reply now
@@ -204,7 +213,9 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
             return {}
 
         try:
-            yield from panel.stream(start, stream, run_id, received, stop=lambda: service.stop(key), on_event=on_event)
+            for update in panel.stream(start, stream, run_id, received, stop=lambda: service.stop(key), on_event=on_event):
+                yield {**cleared, **update}
+                cleared = {}
         finally:
             stream.close()
 
@@ -213,6 +224,8 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
         update = panel.stopped_update(made)
         if made and not written:  # stopped while the model read the conversation: the box says so instead of "Reading…"
             update[live] = STOPPED_EARLY
+        if made and not int(made["chunks"]):  # before the first audio, the last reply's table and plot may still show
+            update = {**panel.cleared(), **update}
         return update
 
     def new_conversation(run_id: str, request: gr.Request):
@@ -232,9 +245,10 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
         trigger_mode="multiple",  # a message sent while the reply speaks is taken at once (barge-in)
         api_name=f"{NAME}_send",
     )
-    # The chatbot is no output of Send, whose failures would draw Gradio's bare "Error" badge over it.
+    # The chatbot is no output of Send: Gradio would draw its bare "Error" badge over it when a turn
+    # fails, and re-render it at every status change of the reply's stream.
     turns.change(chat_messages, inputs=turns, outputs=chatbot, queue=False, show_progress="hidden", api_visibility="private")
-    stop.click(stop_reply, inputs=[panel.run_id, strip.stopped, reply], outputs=[panel.summary, panel.audio, live],
+    stop.click(stop_reply, inputs=[panel.run_id, strip.stopped, reply], outputs=[panel.summary, panel.table, panel.plot, panel.audio, live],
                js=f"(...args) => [...({panel.stop_js(report=True)})(), args[2]]",
                cancels=[event], queue=False, show_progress="hidden", api_name=f"{NAME}_stop")
     clear.click(new_conversation, inputs=panel.run_id, outputs=[chatbot, turns, reply, live, stats], js=panel.stop_js(), cancels=[event], queue=False,
