@@ -85,7 +85,7 @@ def child(size: str, listeners: int, frames: int) -> dict:
 
     import torch
     clock.install()
-    from pipeline.bench import random_tts, run_streams
+    from benchmarks.speed import random_tts, run_streams
     import_done = phase("import", started, 0.0)
 
     with tempfile.TemporaryDirectory() as workdir:

@@ -37,7 +37,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # SDPA backends whose forward pass is deterministic. cuDNN's is not, and torch 2.11 picks it by
-# default on an H200 for masked grouped-query attention: the old decode step parted run to run.
+# default on an H200 for masked grouped-query attention: with it, the same request's codes differ run to run.
 DETERMINISTIC_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -36,7 +36,7 @@ PROCESS_RESERVE_BYTES = int(1.75 * GIB)
 # checkpoints (0.6B Base, 0.6B CustomVoice, 1.7B VoiceDesign) share the memory: with 8 rows each they
 # need about 20 GiB together, which a 24 GB card (an L4) holds; with 16 the third would not fit.
 TTS_ROWS_BIG_CARD, TTS_ROWS_SMALL_CARD, BIG_CARD = 16, 8, 40 * GIB
-# Qwen3-Omni on an H100 (pipeline.bench_omni, docs/BENCHMARKS.md): 4.7 GiB reserved beyond what is
+# Qwen3-Omni on an H100 (benchmarks.omni, docs/BENCHMARKS.md): 4.7 GiB reserved beyond what is
 # allocated once ready, for the thinker's shared graph pool and prefill staging, the talker's MoE prefill.
 OMNI_RESERVE_BYTES = 6 * GIB
 MOST_ROWS = 256  # what --rows takes at most: the table's rows stop there
@@ -266,10 +266,9 @@ def released_omni_weight_bytes(config: dict[str, Any], dtype: torch.dtype) -> in
 # ---- the README's table ----------------------------------------------------------------------
 
 def table_plans(dtype: torch.dtype = torch.bfloat16) -> list[MemoryPlan]:
-    """The released checkpoints' plans at their real sizes (the benchmarks' configs), default max_seq."""
-    from pipeline.bench import real_size_config
-    from pipeline.bench_omni import RELEASED_CONFIG
+    """The released checkpoints' plans at their real sizes, default max_seq."""
     from pipeline.omni.chat import HUB_ID, TALKER_MAX_SEQ, THINKER_MAX_SEQ
+    from pipeline.released import RELEASED_CONFIG, real_size_config
     from pipeline.tiny import SPECIAL_TOKENS
     from pipeline.tts import DEFAULT_MAX_SEQ
 

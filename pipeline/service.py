@@ -14,7 +14,7 @@ import logging
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -153,6 +153,7 @@ class ModelService:
         self._tiny_root = Path(tiny_dir) if tiny_dir else Path(tempfile.mkdtemp(prefix="qwen3-tts-tiny-"))
         self._models: dict[tuple[str, str], TTS | OmniChat] = {}  # (model type, checkpoint) -> model
         self._load_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._progress: dict[tuple[str, str], tuple[int, int]] = {}  # loads under way: graphs captured of all
         self._lock = threading.Lock()  # guards the dicts, never held during a load
         self._tiny_lock = threading.Lock()  # one writer of the tiny checkpoints at a time
         self.fallbacks: dict[str, Fallback] = {}
@@ -194,6 +195,11 @@ class ModelService:
     def is_loaded(self, model_type: str, checkpoint: str | None = None) -> bool:
         return (model_type, checkpoint or self.default_checkpoint(model_type)) in self._models
 
+    def load_progress(self, model_type: str, checkpoint: str | None = None) -> tuple[int, int] | None:
+        """While the checkpoint loads on a GPU: (graphs captured, graphs in all) of its engine, whose
+        first runs compile the kernels; None before that stage and once it is loaded."""
+        return self._progress.get((model_type, checkpoint or self.default_checkpoint(model_type)))
+
     def info(self, model_type: str, checkpoint: str | None = None) -> ModelInfo:
         """Load the checkpoint if needed and describe it for the tab."""
         source = checkpoint or self.default_checkpoint(model_type)
@@ -220,10 +226,16 @@ class ModelService:
             load_lock = self._load_locks.setdefault(key, threading.Lock())
         with load_lock:  # one load per checkpoint; other callers wait for it rather than load twice
             if key not in self._models:
-                tts = self._load(model_type, source)
+                try:
+                    tts = self._load(model_type, source)
+                finally:
+                    self._progress.pop(key, None)
                 with self._lock:
                     self._models[key] = tts
         return self._models[key]
+
+    def _progress_of(self, key: tuple[str, str]) -> Callable[[int, int], None]:
+        return lambda done, total: self._progress.__setitem__(key, (done, total))
 
     def _load(self, model_type: str, source: str) -> TTS | OmniChat:
         if source == TINY or source in self.fallbacks:
@@ -239,7 +251,7 @@ class ModelService:
                 return self._tiny(model_type)
         try:
             tts = TTS.from_pretrained(source, device=self.device, dtype=self.dtype, compiled=self.compiled, rows=self.rows, fused=self.fused,
-                                      free_memory=self.free_memory)
+                                      free_memory=self.free_memory, progress=self._progress_of((model_type, source)))
         except CheckpointError as exc:
             self._fall_back(model_type, source, str(exc))
             return self._tiny(model_type)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -92,7 +93,9 @@ class TTS:
         vocoder_lanes: int | None = None,
         fused: bool | None = None,
         kernels: KernelConfig | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ):
+        """`progress(done, total)`: after each CUDA graph the engine captures while it is built (see Engine)."""
         self.model = model
         self.config = model.config
         self.text_tokenizer = text_tokenizer
@@ -108,7 +111,7 @@ class TTS:
             decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled, fused=fused, kernels=kernels)
             lanes = vocoder_lanes or VOCODER_LANES.get(self.device.type, 1)
             vocoder = speech_tokenizer.multi_stream_decoder(self.rows, use_cuda_graphs, lanes)
-            self.engine = Engine(decoder, vocoder, max_queue=max_queue)
+            self.engine = Engine(decoder, vocoder, max_queue=max_queue, progress=progress)
 
     @classmethod
     def from_pretrained(cls, source: str, device: str = "cpu", dtype: str = "float32", free_memory: int | None = None, **options) -> "TTS":

@@ -175,13 +175,13 @@ def tts_voice_prompt(tensors, path: str, ref_audio: str, ref_text: str):
 
 
 def _official(path: str):
-    from pipeline import bench_compare as bc
+    from benchmarks import compare as bc
 
     return _cached(("official", path), lambda: bc.load_official(Path(path), "cpu"))
 
 
 def official_state(tensors, path: str):
-    """What bench_compare.load_official loaded: the model's tensors (`model.*`) and its speech
+    """What benchmarks.compare.load_official loaded: the model's tensors (`model.*`) and its speech
     tokenizer's (`tokenizer.*`), and the talker's codec EOS id."""
     model = _official(path).model
     out = {f"model.{k}": v for k, v in model.state_dict().items()}
@@ -228,8 +228,8 @@ def official_shapes(tensors, config: dict, codec: dict):
 
 
 def official_bench(tensors, path: str, model_type: str, frames: int, runs: int, warm_frames: int):
-    """bench_compare.bench_official on the CPU: per key, its runs as JSON."""
-    from pipeline import bench_compare as bc
+    """benchmarks.compare.bench_official on the CPU: per key, its runs as JSON."""
+    from benchmarks import compare as bc
 
     results = bc.bench_official(Path(path), model_type, bc.Inputs.for_type(model_type), frames, runs, warm_frames, device="cpu")
     return {}, {key: [asdict(run) for run in measured] for key, measured in results}

@@ -1,4 +1,4 @@
-"""pipeline.bench_compare on CPU, at tiny sizes: the checkpoint it writes loads in ours and in the
+"""benchmarks.compare on CPU, at tiny sizes: the checkpoint it writes loads in ours and in the
 official package with every tensor and gives both the same greedy codes, every frame asked for; its
 real-size configs build the same tensors in both; ours and the official path measure through the
 same functions as on the GPU; the report (markdown, merge, PNG) renders. The official code runs in a
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import bench_compare as bc
+from benchmarks import compare as bc
 from pipeline.request import SpeechRequest
 from pipeline.tiny import TINY_SPEECH_TOKENIZER_CONFIG, tiny_config, write_tiny_text_tokenizer
 from pipeline.tts import TTS
@@ -100,7 +100,7 @@ def test_every_system_makes_the_frames_asked_for(measured):
     assert official.chunk_frames == [FRAMES] and official.ttfa_s == official.wall_s  # nothing streams
 
 
-def report_of(results, command="python -m pipeline.bench_compare --out x"):
+def report_of(results, command="python -m benchmarks.compare --out x"):
     return {"gpu": "CPU", "date": "2026-01-01", "commands": [command], "versions": bc.versions(), "frames": FRAMES,
             "runs": 1, "warm_frames": 2, "rows": 8, "text": bc.TEXT_20_WORDS, "text_tokens": 30, "checkpoint_write_s": {},
             "results": [r.to_json() for r in results]}
@@ -122,7 +122,7 @@ def test_report(measured, tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(report))
     (tmp_path / "b.json").write_text(json.dumps(report_of([faster_again], "second")))
     merged = bc.merge([tmp_path / "a.json", tmp_path / "b.json"])
-    assert merged["commands"] == ["python -m pipeline.bench_compare --out x", "second"]
+    assert merged["commands"] == ["python -m benchmarks.compare --out x", "second"]
     assert len(merged["results"]) == len(measured) + 2
     assert "error" not in next(line for line in bc.markdown(merged).splitlines() if line.startswith("| faster-qwen3-tts (not streaming)"))
 

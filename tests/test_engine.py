@@ -268,3 +268,19 @@ def test_vocoder_lanes_change_nothing_in_the_audio(tiny_checkpoints, models):
         np.testing.assert_array_equal(handle.codes.numpy(), one.codes)
         np.testing.assert_array_equal(laned_audio, one.audio)
     laned.engine.shutdown()
+
+
+def test_a_load_reports_each_graph_captured_and_the_service_forgets_it_once_loaded(tiny_checkpoints):
+    """The engine calls `progress(done, total)` after each graph it captures while it is built (on the CPU:
+    the vocoder's calls, registered eager), in order up to the total; the service's record of a load under
+    way is gone once the model is loaded."""
+    from pipeline.service import ModelService
+
+    seen = []
+    tts = TTS.from_pretrained(tiny_checkpoints["custom_voice"], progress=lambda done, total: seen.append((done, total)))
+    total = len(tts.engine.vocoder.captures())
+    assert total > 0 and seen == [(done, total) for done in range(1, total + 1)]
+    service = ModelService({"custom_voice": (str(tiny_checkpoints["custom_voice"]),)})
+    assert service.load_progress("custom_voice") is None
+    service.model("custom_voice")
+    assert service.load_progress("custom_voice") is None and service.is_loaded("custom_voice")

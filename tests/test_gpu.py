@@ -21,7 +21,7 @@ def workdir():
 
 
 def engine(workdir, graphs: bool, dtype=torch.bfloat16, kernels=None):
-    from pipeline.bench import random_tts
+    from benchmarks.speed import random_tts
 
     tts = random_tts("0.6B", "custom_voice", "cuda", dtype, workdir, rows=8, use_cuda_graphs=graphs, kernels=kernels)
     if graphs:
@@ -35,7 +35,7 @@ def graphed(workdir):
 
 
 def request(seed: int, frames: int = FRAMES, **fields):
-    from pipeline.bench import request as bench_request
+    from benchmarks.speed import request as bench_request
 
     return bench_request(frames, seed=seed, **fields)
 

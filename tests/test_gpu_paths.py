@@ -44,7 +44,7 @@ def engine(workdir: Path, size: str, kernels: KernelConfig | None = None, dtype:
            compiled: bool = False):
     """A warm 2-row engine of the random custom-voice model of `size` in `dtype` on `kernels` (None:
     the GPU's own); `fused`: None where the GPU runs the fused kernels, False the modules' step."""
-    from pipeline.bench import random_tts
+    from benchmarks.speed import random_tts
 
     tts = random_tts(size, "custom_voice", "cuda", dtype, workdir, rows=2, kernels=kernels, fused=fused, compiled=compiled)
     tts.warm_up()
@@ -52,7 +52,7 @@ def engine(workdir: Path, size: str, kernels: KernelConfig | None = None, dtype:
 
 
 def request(seed: int, greedy: bool):
-    from pipeline.bench import request as bench_request
+    from benchmarks.speed import request as bench_request
 
     return bench_request(FRAMES, seed=seed, greedy=greedy)
 
@@ -156,7 +156,7 @@ def test_the_fused_step_is_as_close_to_float32_as_the_module_step(size, dtype):
     contexts), 3 steps: in `dtype`, the fused step's distance from the same weights' float32 step is
     at most twice the module step's. A weight missed, a partial sum dropped or a value rounded
     twice would put it at the size of the values."""
-    from pipeline.bench import SIZES
+    from pipeline.released import SIZES
     from pipeline.kernels import fused_decode
     from pipeline.model import Transformer
 

@@ -19,10 +19,10 @@ def compiled_variants() -> dict[str, int]:
     from triton.runtime.jit import JITFunction
 
     from pipeline.codec import residual, snake
-    from pipeline.kernels import code_predictor, decode, sampling
+    from pipeline.kernels import decode, sampling
 
     return {f"{module.__name__}.{name}": sum(len(entry[0]) for entry in kernel.device_caches.values())
-            for module in (decode, sampling, code_predictor, residual, snake) for name, kernel in vars(module).items() if isinstance(kernel, JITFunction)}
+            for module in (decode, sampling, residual, snake) for name, kernel in vars(module).items() if isinstance(kernel, JITFunction)}
 
 
 def torch_compiled_graphs() -> int:
@@ -32,7 +32,7 @@ def torch_compiled_graphs() -> int:
 
 
 def test_a_burst_of_listeners_after_ready_compiles_nothing():
-    from pipeline.bench import random_tts, request
+    from benchmarks.speed import random_tts, request
 
     with tempfile.TemporaryDirectory() as workdir:
         tts = random_tts("0.6B", "custom_voice", "cuda", torch.bfloat16, Path(workdir), rows=ROWS, compiled=True)

@@ -2,16 +2,15 @@
 sm_86, sm_89, sm_90, sm_120), with the configuration the engine picks there
 (`KernelConfig.for_architecture`), at the real models' shapes (the 0.6B's and 1.7B's talkers and
 code predictors, Qwen3-Omni's code predictor and talker vocabulary): within the architecture's
-shared memory per block, without register spills on the hot path beyond the bounded ones below (the persistent code predictor,
-opt-in, may spill), with overlapped launches (griddepcontrol) only from sm_90 on. A kernel that
-used an instruction the architecture lacks would not compile for it: ptxas refuses it.
+shared memory per block, without register spills on the hot path beyond the bounded ones below,
+with overlapped launches (griddepcontrol) only from sm_90 on. A kernel that used an instruction the
+architecture lacks would not compile for it: ptxas refuses it.
 
 Triton ships ptxas and cuobjdump, so this runs on a CPU-only machine, in a process without
 TRITON_INTERPRET (this module run as a script: `python -m tests.test_kernel_architectures sm_89`
 prints what it found as JSON), a process per CPU core. Each distinct (kernel, constexpr arguments) is
 compiled once per architecture; a matmul whose weight is followed by weights of other sizes is
-compiled with its largest L2 prefetch share (the most registers); the persistent code predictor at
-the 1.7B's shapes only (the 0.6B's is the same kernel without the input projection's stage)."""
+compiled with its largest L2 prefetch share (the most registers)."""
 from __future__ import annotations
 
 import json
@@ -40,7 +39,7 @@ MEASURED_SPILLS = {(9, 0): {"linear2 BLOCK_K=256,BLOCK_N=64,K=2048,N=6144,SPLIT_
 ATTENTION_SPILL_BOUND = 256
 
 TALKERS = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}  # hidden, FFN; 16 query heads, 8 key/value heads of 128
-PREDICTOR = dict(H=1024, I=3072, V=2048, STEPS=15)  # every model's code predictor (Qwen3-Omni's too); 5 layers
+PREDICTOR = dict(H=1024, I=3072, V=2048)  # every model's code predictor (Qwen3-Omni's too); 5 layers
 HEADS, KV_HEADS, HEAD_DIM, TALKER_VOCAB, TALKER_CACHE, CODES = 16, 8, 128, 3072, 2048, 16
 
 
@@ -119,7 +118,6 @@ def launches(capability: tuple[int, int]) -> list[tuple[str, object, dict, dict,
     import torch
 
     from pipeline.kernels import decode
-    from pipeline.kernels.code_predictor import NUM_WARPS, _code_predictor_kernel, stage_launch, stage_tiles
     from pipeline.kernels.config import KernelConfig
     from pipeline.kernels.sampling import CANDIDATES, _code_kernel, _next_token_kernel, _sample_kernel, code_row_block, sampling_warps
 
@@ -183,21 +181,6 @@ def launches(capability: tuple[int, int]) -> list[tuple[str, object, dict, dict,
     found.append(("next token", _next_token_kernel, token, dict(BLOCK=block, BLOCK_H=min(1024, PREDICTOR["H"]), C=CANDIDATES, **overlap),
                   sampling_warps(block, config), 3, True))
 
-    persistent = {name: "*bf16" for name in _code_predictor_kernel.arg_names if name.endswith("_ptr")}
-    persistent.update(dict.fromkeys(["logits_ptr", "partial_ptr", "temperature_ptr", "top_p_ptr"], "*fp32"), do_sample_ptr="*i1",
-                      **dict.fromkeys(["lock_ptr", "barrier_ptr"], "*i32"),
-                      **dict.fromkeys(["pos_ptr", "top_k_ptr", "seed_ptr", "frame_ptr", "codes_ptr", "table_start_ptr", "token_ptr", "text_len_ptr"],
-                                      "*i64"),
-                      **dict.fromkeys(["draws_per_frame", "first_draw", "max_seq", "rows", "cache_layer", "cache_row", "cache_head", "cache_pos"], "i32"),
-                      **dict.fromkeys(["eps", "head_eps", "final_eps", "scale"], "fp32"))
-    for size, (hidden, _) in [("1.7B", TALKERS["1.7B"])]:
-        s = dict(E=hidden, H=PREDICTOR["H"], I=PREDICTOR["I"], HEADS=HEADS, KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM, LAYERS=5, STEPS=PREDICTOR["STEPS"],
-                 V=PREDICTOR["V"], PROJECT=hidden != PREDICTOR["H"], IEEE=False)
-        stages = stage_tiles(config, s, torch.bfloat16)
-        found.append((f"persistent code predictor, {size}", _code_predictor_kernel, persistent,
-                      dict(**s, CODES=CODES, BLOCK_M=decode.BLOCK_M, BLOCK_S=decode.attention_block(CODES), BLOCK=PREDICTOR["V"],
-                           BLOCK_E=min(1024, hidden), BLOCK_T=code_row_block(hidden, CODES, True), C=CANDIDATES, **stage_launch(stages),
-                           GRID_SYNC=True, **overlap), NUM_WARPS, stages["QKV"].num_stages, False))
     return found
 
 
@@ -246,7 +229,7 @@ def test_every_kernel_compiles_for_the_architecture_within_its_shared_memory_and
     arrival releases the partial sums and acquires the others' (its counter's reset orders nothing:
     an acq_rel exchange put a GPU-wide fence before every split tile's store, 0.12 ms of the 0.6B's
     frame on an H200); the split attention's chunks exchange their statistics inside one launch
-    (released, acquired, read past L1), and so do the persistent code predictor's stages (its grid barrier)."""
+    (released, acquired, read past L1)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.test_kernel_architectures", arch], capture_output=True, text=True, env=env, timeout=1800,
@@ -266,7 +249,6 @@ def test_every_kernel_compiles_for_the_architecture_within_its_shared_memory_and
             assert kernel["split_k_atomics"] == ["atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.relaxed.exch.b32"], (arch, name)
     assert any(kernel["prefetch"] for kernel in found.values())
     assert found["talker attention, split"]["barrier"] and found["talker attention, split"]["cg_loads"]
-    assert found["persistent code predictor, 1.7B"]["barrier"]
 
 
 if __name__ == "__main__":

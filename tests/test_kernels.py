@@ -560,40 +560,6 @@ def random_talker(checkpoint, predictor_hidden: int | None) -> "torch.nn.Module"
     return talker
 
 
-@pytest.mark.parametrize("predictor_hidden", [None, 64], ids=["projected input", "same width"])
-@torch.inference_mode()
-def test_the_code_predictor_in_one_persistent_kernel_equals_its_kernel_per_stage(tiny_checkpoints, predictor_hidden):
-    """The code predictor's frame in one persistent kernel (on a GPU: one program per SM and grid
-    barriers between the stages; in Triton's interpreter one program) against the same stages a
-    kernel each: the same codes, the same talker input, the same state after a frame, and the
-    barrier's counts back at zero for the next frame. A sampled row (top-k, top-p) and a greedy one."""
-    from pipeline.engine.sampling import SamplingConfig
-
-    talker = random_talker(tiny_checkpoints["custom_voice"], predictor_hidden)
-    talkers = [talker, copy.deepcopy(talker)]
-    hidden = talker.config.hidden_size
-    generator = torch.Generator().manual_seed(9)
-    pad, prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((hidden,), (1, 4, hidden), (1, hidden)))
-    decoders = [BatchDecoder(t, pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True, kernels=dataclasses.replace(CONFIG, persistent=p))
-                for t, p in zip(talkers, (False, True))]
-    kernel = decoders[1].predictor_kernel
-    assert decoders[0].predictor_kernel is None and kernel is not None and kernel.project == (predictor_hidden is None)
-    assert kernel.programs == (torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 1)
-    sampled = SamplingConfig(top_k=20, top_p=0.9)
-    for decoder in decoders:
-        decoder.start(0, prompt, text, True, sampled, seed=5, max_frames=8)
-        decoder.start(1, prompt.flip(1), text, True, sampled.greedy(), seed=6, max_frames=8)
-    (_, codes, token), (_, got_codes, got_token) = (d.step() for d in decoders)
-    assert torch.equal(got_codes, codes) and torch.equal(got_token, token)
-    torch.testing.assert_close(decoders[1].talker_input, decoders[0].talker_input, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(decoders[1].hidden, decoders[0].hidden, rtol=1e-5, atol=1e-5)
-    assert kernel.barrier.tolist() == [0, 0] and not kernel.locks.any()
-    # the stacked weights are the modules' own (views), not copies that a later load would leave behind
-    layer = talkers[1].code_predictor.model.layers[1]
-    assert layer.mlp.down_proj.weight.data_ptr() == kernel.weights["mlp.down_proj.weight"][1].data_ptr()
-    assert layer.self_attn.kv_cache.k.data_ptr() == kernel.keys[1].data_ptr()
-
-
 @torch.inference_mode()
 def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoints):
     """A code predictor narrower than the talker (the 1.7B's layout) takes its next inputs from the
@@ -631,7 +597,7 @@ def test_the_step_profile_charges_each_kernel_what_it_adds_to_the_frame():
     """Overlapped kernels start before the previous one ends: each is charged with how much later
     than every kernel before it it ends (nothing if earlier), by kind, and the charges add up to the
     step's span: not the kernels' own durations, which count the overlap twice."""
-    from pipeline.bench_kernels import charge_in_order
+    from benchmarks.kernels import charge_in_order
 
     kernels = [("_linear_kernel_a", 7.0, 14.0), ("_qkv_kernel", 0.0, 6.0), ("_attention_kernel", 3.0, 8.0),
                ("_code_kernel", 13.0, 28.0), ("_linear_kernel_b", 20.0, 27.0), ("_attention_split_kernel", 27.5, 31.0)]
@@ -646,7 +612,7 @@ def test_the_step_profile_charges_each_kernel_what_it_adds_to_the_frame():
 
 
 def test_the_kernel_benchmark_refuses_fewer_than_one_repeat(capsys):
-    from pipeline.bench_kernels import main
+    from benchmarks.kernels import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--ablation", "--repeats", "0"])
@@ -662,7 +628,7 @@ def test_the_step_sweep_tries_one_change_at_a_time_and_only_whole_splits(kind, k
     field (or a half-width column block with twice the splits: the same programs), none repeats or
     is the current, each splits K into whole tiles (what the kernels accept), and the q/k/v kernel's
     columns stay a head's."""
-    from pipeline.bench_kernels import step_tile_alternatives
+    from benchmarks.kernels import step_tile_alternatives
     from pipeline.kernels.decode import Tiles, _check_split
 
     now = Tiles(**current)
@@ -678,7 +644,7 @@ def test_the_step_sweep_tries_one_change_at_a_time_and_only_whole_splits(kind, k
 
 def test_the_step_sweep_takes_named_weight_shapes_and_refuses_malformed_ones(capsys):
     """`--shapes` names keys of the tiles table; anything else is a usage error naming the bad value."""
-    from pipeline.bench_kernels import main, weight_shape
+    from benchmarks.kernels import main, weight_shape
 
     assert weight_shape("linear2,6144,2048") == ("linear2", 6144, 2048)
     assert weight_shape("qkv,4096,1024") == ("qkv", 4096, 1024)

@@ -321,7 +321,7 @@ def test_the_omni_tab_over_the_backend(remote_app, backend):
     _, url, _ = remote_app
     _, service = backend
     outputs = list(Client(url, verbose=False).submit(TINY, "Chelsie", "You are brief.", 6, "3", "Hello there", None, "", "", api_name="/omni_send"))
-    # outputs: message, voice input, the live reply (HTML), stats, then the panel: summary, take, table, plot, WAV
+    # outputs: message, voice input, the live reply (HTML), stats, then the panel: summary, table, plot, WAV, take
     reply = [html.unescape(re.sub("<[^>]+>", "", o[2])) for o in outputs if isinstance(o[2], str) and o[2]][-1].strip()
     stats = [o[3] for o in outputs if isinstance(o[3], str) and o[3]][-1]
     summary = [o[4] for o in outputs if isinstance(o[4], str)][-1]  # the conversation state is not an output of the API

@@ -2,10 +2,12 @@
 accordion, Generate / Stop, and the one generation handler they all feed."""
 from __future__ import annotations
 
+import contextvars
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import gradio as gr
@@ -20,6 +22,7 @@ Service = ModelService | RemoteService  # models in this process, or a backend's
 
 DEFAULTS = ModelService.sampling_defaults()  # the reference's defaults, which the official checkpoints ship
 MAX_TEXT_LINES = 8
+LOAD_POLL_S = 0.5  # how often a loading tab's status line asks how far the load is
 FRAMES_PER_SECOND = 12.5
 MAX_SECONDS = 160  # the slider's right end, its default: the checkpoint's own limit (2047 frames, 164 s, for the released ones;
 # 100 frames, 8 s, for the tiny random ones, whose noise nobody wants for minutes)
@@ -238,9 +241,24 @@ def loading_text(service: Service, model_type: str, checkpoint: str) -> str:
 
 def load_checkpoint(service: Service, model_type: str, checkpoint: str, progress: gr.Progress) -> ModelInfo:
     """Load (first use) and describe a checkpoint: what it does shows on the tab's status line, a
-    download's progress through tqdm tracking. (Gradio shows the text only beside a bar, hence the 0.)"""
-    if not service.is_loaded(model_type, checkpoint):
-        progress(0, desc=loading_text(service, model_type, checkpoint))
+    download's progress through tqdm tracking, then the engine's graphs captured (their first runs
+    compile the kernels) as they go. (Gradio shows the text only beside a bar, hence the 0.)"""
+    if service.is_loaded(model_type, checkpoint):
+        return checked_info(service, model_type, checkpoint)
+    text = loading_text(service, model_type, checkpoint)
+    progress(0, desc=text)
+    with ThreadPoolExecutor(1) as pool:
+        # In this event's context: gradio finds a download's tqdm bars through it.
+        loading = pool.submit(contextvars.copy_context().run, checked_info, service, model_type, checkpoint)
+        while not wait([loading], timeout=LOAD_POLL_S).done:
+            captured = service.load_progress(model_type, checkpoint)
+            if captured is not None:
+                done, total = captured
+                progress(done / total, desc=f"{text} Compiling kernels and capturing CUDA graphs: {done} / {total}")
+        return loading.result()
+
+
+def checked_info(service: Service, model_type: str, checkpoint: str) -> ModelInfo:
     try:
         return service.info(model_type, checkpoint)
     except TTSInputError as exc:

@@ -10,6 +10,9 @@ projections, SnakeBeta exponentials) are non-persistent buffers rebuilt after lo
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -438,18 +441,16 @@ class MultiStreamDecoder:
             self.store[dtype].index_copy_(0, row_in, flat)
         return audio
 
+    def captures(self) -> list[Callable[[], object]]:
+        """The call of every size in every lane, stream's first call and later, each to `capture` (at load)."""
+        return [partial(self.capture, n, lane, first) for lane in range(self.lanes) for n in self.CALL_SIZES
+                for first in sorted({False, self.lookahead > 0})]
+
     @torch.inference_mode()
-    def capture(self, frames: int | None = None, lane: int = 0, first: bool = False) -> tuple[CUDAGraphed, torch.Tensor]:
-        """The call for `frames` frames in `lane` (every size of every lane when None; `first`: a
-        stream's first call, which differs where the decoder looks ahead), as a CUDA graph
-        (captured now) where graphs are on. Capture runs the decoder for real on row 0, whose
-        state is put back afterwards."""
-        if frames is None:
-            for lane in range(self.lanes):
-                for n in self.CALL_SIZES:
-                    for first in {False, self.lookahead > 0}:
-                        self.capture(n, lane, first)
-            return self.graphs[(0, self.CALL_SIZES[-1], False)]
+    def capture(self, frames: int, lane: int = 0, first: bool = False) -> tuple[CUDAGraphed, torch.Tensor]:
+        """The call for `frames` frames in `lane` (`first`: a stream's first call, which differs where
+        the decoder looks ahead), as a CUDA graph (captured now) where graphs are on. Capture runs
+        the decoder for real on row 0, whose state is put back afterwards."""
         codes_in = torch.zeros(1, frames, self.decoder.config.num_quantizers, dtype=torch.long, device=self.device)
         graph = CUDAGraphed(lambda: self._decode_stored_row(codes_in, lane, first), self.use_cuda_graphs)
         if graph.enabled:

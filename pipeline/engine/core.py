@@ -335,7 +335,9 @@ class Engine:
     """Owns a model's decode state (BatchDecoder), its vocoder streams, two CUDA streams, the
     scheduler thread and the delivery thread."""
 
-    def __init__(self, decoder: BatchDecoder, vocoder: MultiStreamDecoder, max_queue: int = 64, prefills_per_frame: int = 4):
+    def __init__(self, decoder: BatchDecoder, vocoder: MultiStreamDecoder, max_queue: int = 64, prefills_per_frame: int = 4,
+                 progress: Callable[[int, int], None] | None = None):
+        """`progress(done, total)`: called after each CUDA graph captured at load (its first run compiles the kernels it launches)."""
         self.decoder, self.vocoder = decoder, vocoder
         self.rows = decoder.rows
         self.max_queue, self.prefills_per_frame = max_queue, prefills_per_frame
@@ -358,8 +360,11 @@ class Engine:
         self.iteration = 0
         self._allocate_buffers()
         # Capture now, every row idle: a capture's warm-up runs would advance live rows.
-        decoder.capture()
-        vocoder.capture()
+        captures = decoder.captures() + vocoder.captures()
+        for done, capture in enumerate(captures, 1):
+            capture()
+            if progress is not None:
+                progress(done, len(captures))
         _ENGINES.add(self)
 
     def _allocate_buffers(self) -> None:

@@ -24,6 +24,7 @@ the frame runs no cuBLAS matmul (whose algorithm follows the row count).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
 
@@ -31,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.graphs import CUDAGraphed
-# pipeline.kernels imports Triton only when a kernel runs; its submodules (code_predictor, sampling) import it at
-# their own import, so they are imported where the frame runs in kernels: a CPU-only install has no Triton.
+# pipeline.kernels imports Triton only when a kernel runs; its submodule sampling imports it at its own
+# import, so it is imported where the frame runs in kernels: a CPU-only install has no Triton.
 from pipeline.kernels import FrameText, RowState, fused_available, fused_decode, fused_decode_logits, fused_linear, fused_sample, fused_supported
 from pipeline.kernels.config import KernelConfig
 from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
@@ -84,10 +85,8 @@ class BatchDecoder:
         row state inside them); default: on CUDA. Off, that glue is PyTorch's ops. `kernels`: the fused
         kernels' tiles and launch options (default: `KernelConfig.for_device`, the GPU's architecture's;
         another architecture's runs where the GPU has what it needs). With the frame in kernels, its
-        `persistent` puts the code predictor's 15 steps in one persistent kernel (`CodePredictorKernel`)
-        instead of ~27 kernels a step (off by default: slower on an H100, see docs/BENCHMARKS.md), and
-        its `row_blocks` (when not `persistent`) runs each frame over the smallest block of first rows
-        holding every occupied row (see above)."""
+        `row_blocks` runs each frame over the smallest block of first rows holding every occupied row
+        (see above)."""
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
@@ -173,19 +172,12 @@ class BatchDecoder:
                 if projects else (self.code_predictor_input, self.predictor_next))
             self.talker_input = zeros(rows, 1, config.hidden_size, dtype=dtype)
             self.next_hidden = zeros(rows, config.hidden_size, dtype=dtype)
-        self.predictor_kernel = None
-        if self.frame_kernels:
-            from pipeline.kernels import code_predictor
-
-            if self.kernels.persistent:
-                self.predictor_kernel = code_predictor.CodePredictorKernel(talker.code_predictor, rows, self.kernels)
-        if self.frame_kernels and self.predictor_kernel is None:
             # The code predictor's next inputs come from its tables already in its width (the 1.7B's
             # projected once here): one input projection a frame instead of 15.
             self.next_tables = (project_code_tables(talker.code_predictor.model, project, self.code_tables, self.kernels) if projects
                                 else self.code_tables)
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        row_blocks = self.frame_kernels and self.predictor_kernel is None and self.kernels.row_blocks
+        row_blocks = self.frame_kernels and self.kernels.row_blocks
         self.block_sizes = block_sizes(rows) if row_blocks else [rows]
         self.occupied = [False] * rows  # rows between start() and stop(), known without a device sync
         self.step_graphs = {n: CUDAGraphed(partial(self._frame_in_kernels, self._row_block(n)) if self.frame_kernels else self._step,
@@ -315,16 +307,13 @@ class BatchDecoder:
     def _extend_one(self) -> torch.Tensor:
         return self.talker_extend(self.extend_in, self.prefill_row, self.extend_pos)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture the decode step and every prefill bucket now (at load, every row idle), not in a user's time to first audio."""
+    def captures(self) -> list[Callable[[], None]]:
+        """The decode step of every row block, every prefill bucket and the one-position extension, each
+        to capture at load (every row idle), not in a user's time to first audio; none without graphs."""
         if not self.use_cuda_graphs:
-            return
-        for graph in self.step_graphs.values():
-            graph.capture()
-        for graph in self.prefill_graphs.values():
-            graph.capture()
-        self.extend_graph.capture()
+            return []
+        graphs = [*self.step_graphs.values(), *self.prefill_graphs.values(), self.extend_graph]
+        return [torch.inference_mode()(graph.capture) for graph in graphs]
 
     # ---- the decode step ---------------------------------------------------------------------
 
@@ -399,16 +388,11 @@ class BatchDecoder:
         the next step's input (after the last, the talker's input: code embeddings and text); then
         the talker's layers, its head (final norm, logits and the normed state at once) and one
         kernel for the next codebook-0 token and the commit of every row's state. Same arithmetic as
-        `_step`'s ops, in the kernels' order of sums. With `predictor_kernel` (all rows), the code
-        predictor's steps are one persistent kernel instead."""
+        `_step`'s ops, in the kernels' order of sums."""
         from pipeline.kernels.sampling import next_token
 
         text = FrameText(rows.trailing, rows.text_len, self.tts_pad)
-        if self.predictor_kernel is not None:
-            self.predictor_kernel(rows.code_predictor_input, rows.predictor_next, rows.talker_input, rows.sub_sampling, rows.seed_hash, rows.frame,
-                                  self.draws_per_frame, self.vocab, rows.codes, self.code_tables, self.table_starts, rows.token, text)
-        else:
-            self._predict_in_kernels(rows, text)
+        self._predict_in_kernels(rows, text)
         logits = fused_decode_logits(self.talker.model, rows.talker_input, rows.pos[:, None], self.talker.codec_head.weight, self.kernels,
                                      normed=rows.next_hidden)
         next_token(logits, rows.talker_sampling, rows, self.draws_per_frame, self.suppressed, self.eos_id, self.min_new_tokens, rows.next_hidden,

@@ -1,8 +1,7 @@
 """Fused Triton kernels for the decode step: `fused_decode` (five kernels per transformer layer),
 `fused_decode_logits` (the same, then the final norm and an output head in one kernel, optionally
 writing the normed state too) and `fused_sample` (the sampling chain in one kernel) are the entry
-points; `pipeline.kernels.sampling` also has the frame's glue as kernels (`code_step`, `next_token`),
-and `pipeline.kernels.code_predictor` the code predictor's whole frame in one persistent kernel (opt-in).
+points; `pipeline.kernels.sampling` also has the frame's glue as kernels (`code_step`, `next_token`).
 
 `fused_decode` computes what `Transformer.decode` computes, for every cache row at once, reading
 the same modules' weights and writing the same KV caches, so the rest of the engine is unchanged.

@@ -52,11 +52,11 @@ def shared_memory_per_block(capability: tuple[int, int]) -> int:
 
 # Tiles per (kernel, N, K), bf16, on Hopper (227 KB of shared memory a block); 16 x 256 tiles, 4 warps,
 # 3 stages elsewhere. Split-K wins wherever a weight has few column blocks (q/k/v: 32 heads; o and
-# down: 1,024-2,048 columns). The choice depends on the weight's shape only, never on the batch. First
-# chosen by timing each kernel alone (`python -m pipeline.bench_kernels --sweep`, H200, 2026-11-23),
-# then retuned in the whole step (`--step-sweep`, H200, 2026-11-26: a kernel's time in the step depends
-# on its neighbours, which launch while it runs and share its SMs), two rounds: 0.6B 3.54 -> 3.25 ms
-# per frame, 1.7B 4.28 -> 3.96 (docs/BENCHMARKS.md, seventh session).
+# down: 1,024-2,048 columns). The choice depends on the weight's shape only, never on the batch.
+# Chosen in the whole decode step (`python -m benchmarks.kernels --step-sweep`, H200), not by timing
+# each kernel alone (`--sweep`): a kernel's time in the step depends on its neighbours, which launch
+# while it runs and share its SMs. Against the tiles fastest alone, the frame takes 3.25 ms instead of
+# 3.54 (0.6B) and 3.96 instead of 4.28 (1.7B); docs/BENCHMARKS.md has the runs.
 HOPPER_TILES: dict[tuple[str, int, int], Tiles] = {
     ("qkv", 4096, 1024): Tiles(block_k=128, num_warps=8, num_stages=1, split_k=8),
     ("qkv", 4096, 2048): Tiles(block_k=128, num_warps=8, split_k=8),
@@ -87,8 +87,7 @@ class KernelConfig:
     time; `bandwidth_bound_bytes`: a matmul that reads more than this of its own weights asks for
     nothing; `attention_chunks`: cache length -> (positions per chunk, warps) of the split attention;
     `attention_whole` / `attention_parts`: its short contexts, attended without exchange by that many
-    programs per head; `persistent`: the code predictor's frame in one persistent kernel;
-    `row_blocks`: each frame over the smallest block of first rows holding every occupied row;
+    programs per head; `row_blocks`: each frame over the smallest block of first rows holding every occupied row;
     `wide_sampling_warps`: the warps of a sampling kernel over more than 2,048 codes."""
 
     capability: tuple[int, int] = (9, 0)
@@ -100,7 +99,7 @@ class KernelConfig:
     # 4.83; the 0.6B (every weight under 16 MB): 3.81 / 3.80 ms, 3.91 without prefetch.
     bandwidth_bound_bytes: int = 16 << 20
     # The talker's cache (2,048 positions) split in chunks of 256 positions x 8 warps. Measured on an
-    # H200 (`python -m pipeline.bench_kernels --attention`, us at 50 / 200 / 300 / 1,000 / 2,000
+    # H200 (`python -m benchmarks.kernels --attention`, us at 50 / 200 / 300 / 1,000 / 2,000
     # positions): chunks of 256 x 8 warps 4.7 / 4.8 / 8.2 / 8.5 / 9.2; of 64 x 4 warps 3.4 / 7.0 / 7.7 /
     # 10.4 / 14.0; of 128 x 8 warps 4.8 / 8.3 / 8.7 / 9.3 / 10.3; one program per head looping over the
     # context 3.6 / 10.4 / 14.7 / 41.7 / 81.8. In the whole step (0.6B, 1 row) 3.01 -> 2.95 ms.
@@ -116,10 +115,7 @@ class KernelConfig:
     # but the 16-row engine slower at 8 and 16 rows running (3.48 / 4.06 ms against 3.36 / 3.76): 1,024
     # programs at 16 rows, one per SM at a time (the kernel's registers). A power of two.
     attention_parts: int = 1
-    # Off: on an H100 the persistent code predictor is slower than a kernel per stage (4.27 against
-    # 3.70 ms a frame, pipeline.kernels.code_predictor).
-    persistent: bool = False
-    # Measured on an H100 (pipeline.bench_kernels --ablation, 0.6B, engine of 16 rows): 3.59 ms a
+    # Measured on an H100 (benchmarks.kernels --ablation, 0.6B, engine of 16 rows): 3.59 ms a
     # frame with one row running against 4.14 over all rows, the same codes.
     row_blocks: bool = True
     # Warps of a sampling program that holds 4,096 logits (the talker's 3,072 codes): 8 keep them in

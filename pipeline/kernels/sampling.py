@@ -16,7 +16,7 @@ integer per key, and stops once a threshold keeps exactly k keys; top-p sums the
 sum each, to the last bit): 13 us a launch for 2,048 codes against 20 us sorting, 17 us for 3,072
 (the talker's) against 68; 3.4 us with top-k off. With the counts packed, the first round's
 thresholds a few binades below the largest key and the early stop, on an H200 (`python -m
-pipeline.bench_kernels --sampling`, the median over 8 logit draws): 12.2 -> 5.0 us for 2,048 codes,
+benchmarks.kernels --sampling`, the median over 8 logit draws): 12.2 -> 5.0 us for 2,048 codes,
 17.2 -> 6.5 for 3,072; 2.9 / 3.4 us with top-k off. A search is skipped where its rule is off
 (top-k 0 or at least the vocabulary, top-p 1, greedy rows).
 

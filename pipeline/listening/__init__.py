@@ -1,4 +1,4 @@
-"""Blind listening sessions (issue 9): `Sessions` is the entry point of the app's views. Underneath:
+"""Blind listening sessions: `Sessions` is the entry point of the app's views. Underneath:
 a session file (`load_session`), balanced trials per listener (`trials`), clips rendered by the
 engine and loudness-normalised (`render.ClipCache`), votes in SQLite that are never lost
 (`VoteStore`), and the statistics of the results (`stats`)."""

@@ -1,4 +1,4 @@
-"""Qwen3-Omni chat (issue 8): `OmniChat` answers a conversation in streamed text and speech.
+"""Qwen3-Omni chat: `OmniChat` answers a conversation in streamed text and speech.
 
 chat.py: the entry point and the conversation loop. conversation.py: the chat layout and audio
 messages. thinker.py: transformers' thinker driven token by token. prompt.py: the talker's prompt.

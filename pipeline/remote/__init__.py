@@ -1,4 +1,4 @@
-"""The remote backend (issue 10): `RemoteService(url, key)` serves the UI from a server that speaks our
+"""The remote backend: `RemoteService(url, key)` serves the UI from a server that speaks our
 HTTP protocol (another instance of this app, or vLLM-Omni) instead of models in this process.
 
 backend.py: the HTTP client, what the server serves, its errors as sentences. speech.py: a Qwen3-TTS

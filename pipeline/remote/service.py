@@ -73,6 +73,10 @@ class RemoteService:
         entries = self.backend.get_json("/v1/models").get("data") or []
         return any(e.get("id") == source and e.get("task_type") == TASK_NAMES.get(model_type) and e.get("loaded") for e in entries)
 
+    def load_progress(self, model_type: str, checkpoint: str | None = None) -> None:
+        """The backend loads its checkpoints itself and does not say how far it is."""
+        return None
+
     def info(self, model_type: str, checkpoint: str | None = None) -> ModelInfo:
         """The checkpoint's speakers and languages, as the backend reports them (asked once)."""
         source = checkpoint or self.default_checkpoint(model_type)

@@ -1,4 +1,4 @@
-"""The HTTP API on the app's server (issue 10, in progress): `speech_routes(service, access)` serves
+"""The HTTP API on the app's server: `speech_routes(service, access)` serves
 `POST /v1/audio/speech` and `GET /v1/models`, `chat_routes(service, access)` Qwen3-Omni's
 `POST /v1/chat/completions`, both through the app's model service."""
 from pipeline.server.chat import chat_routes

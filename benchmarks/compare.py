@@ -1,8 +1,8 @@
 """Side by side on one GPU: the official `qwen-tts` generate path, faster-qwen3-tts 0.5.4 and ours.
 
-    python -m pipeline.bench_compare --out DIR [--sizes 0.6B 1.7B] [--types custom_voice base]
+    python -m benchmarks.compare --out DIR [--sizes 0.6B 1.7B] [--types custom_voice base]
                                      [--frames 250] [--runs 5] [--systems ours faster official]
-    python -m pipeline.bench_compare --merge A.json B.json ... --out DIR   # one table of several runs
+    python -m benchmarks.compare --merge A.json B.json ... --out DIR   # one table of several runs
 
 For each size and model type, one random-weight checkpoint at the real size is written in the
 official file layout (config.json, generation_config.json, model.safetensors in bf16, the text
@@ -56,8 +56,8 @@ fastapi, uvicorn, python-multipart (its demo extra); qwen-tts (see above).
 Device command (`carry: [".whl"]`, the wheels being git-ignored; 18.5 MiB):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     && export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-    && python3 -m pipeline.bench_compare --out $OUT --sizes 0.6B --types custom_voice
-Time, estimated (not measured yet) for one size and type at the defaults: checkpoint ~15 s; ours
+    && python3 -m benchmarks.compare --out $OUT --sizes 0.6B --types custom_voice
+Time for one size and type at the defaults, estimated: checkpoint ~15 s; ours
 ~2 min (compile and capture ~1 min, then 12 calls of ~2 s); faster-qwen3-tts ~2 min (18 calls, chunk 1
 the slowest); the official path 2.5-5 min (eager HF generate, 0.1-0.2 s a frame by faster-qwen3-tts's
 published H100 baseline, 6 calls of 250 frames). So one size and type per call of the device tool
@@ -90,7 +90,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.bench import SIZES, TEXT_20_WORDS, real_size_config
+from benchmarks.speed import TEXT_20_WORDS
+from pipeline.released import SIZES, real_size_config
 from pipeline.tiny import GENERATION_CONFIG, TINY_SPEECH_TOKENIZER_CONFIG, randomize_, write_tiny_speech_tokenizer, write_tiny_text_tokenizer
 
 TYPES = ("custom_voice", "base")
@@ -604,7 +605,7 @@ def merge(files: list[Path]) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench_compare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON, markdown and PNG")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
@@ -631,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "gpu": torch.cuda.get_device_name(),
         "date": datetime.date.today().isoformat(),
-        "commands": ["python -m pipeline.bench_compare " + " ".join(sys.argv[1:] if argv is None else argv)],
+        "commands": ["python -m benchmarks.compare " + " ".join(sys.argv[1:] if argv is None else argv)],
         "versions": versions(),
         "commit": commit(),
         "frames": args.frames, "runs": args.runs, "warm_frames": args.warm_frames, "rows": args.rows,

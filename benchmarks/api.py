@@ -1,8 +1,8 @@
 """Time to first audio through the HTTP API, next to the same request in process:
-`python -m pipeline.bench_api`.
+`python -m benchmarks.api`.
 
 The app's speech route (POST /v1/audio/speech, streamed PCM) is served by uvicorn on localhost in
-front of the real-size model with random weights (as `pipeline.bench` builds it); a client with
+front of the real-size model with random weights (as `benchmarks.speed` builds it); a client with
 httpx reads the stream. The difference between the two is what the HTTP path adds: request
 parsing, the thread hand-offs of a streamed response, and the socket. Writes JSON and markdown
 (GPU, torch, date and command next to the numbers).
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from pipeline.bench import random_tts, report_header, request, write_report
+from benchmarks.speed import random_tts, report_header, request, write_report
 from pipeline.server import Access, speech_routes
 from pipeline.service import ModelService
 
@@ -95,7 +95,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench_api")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.api")
     parser.add_argument("--repeats", type=int, default=20, help="requests per path (default 20)")
     parser.add_argument("--frames", type=int, default=25, help="frames per request (default 25 = 2 s)")
     parser.add_argument("--together", type=int, default=4, help="API clients at once (default 4, the per-client limit)")
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(args.repeats):
                     in_process.append(in_process_ttfa(service, i, args.frames))
                     api.append(api_ttfa(client, url, i, args.frames))
-            report = {**report_header("pipeline.bench_api", argv, on_gpu=cuda),
+            report = {**report_header("benchmarks.api", argv, on_gpu=cuda),
                       "repeats": args.repeats, "frames": args.frames, "in_process": in_process, "api": api,
                       "precision": "bf16, compiled decode step" if cuda else "float32, eager",
                       "api_together": together(url, args.together, args.frames)}

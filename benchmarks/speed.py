@@ -1,4 +1,4 @@
-"""GPU benchmark on random weights at the real 0.6B and 1.7B sizes: `python -m pipeline.bench`.
+"""GPU benchmark on random weights at the real 0.6B and 1.7B sizes: `python -m benchmarks.speed`.
 
 Weight values do not change speed, so no download is needed. Random weights would end utterances
 at random frames; the EOS row of the codec head is zeroed so that EOS never reaches the top-k and
@@ -27,29 +27,14 @@ import torch
 
 from pipeline.codec import SpeechTokenizer, SpeechTokenizerConfig
 from pipeline.model import Qwen3TTS, TTSConfig
+from pipeline.released import SIZES, real_size_config
 from pipeline.request import SpeechRequest
-from pipeline.tiny import GENERATION_CONFIG, randomize_speech_tokenizer_, tiny_config, write_tiny_text_tokenizer
+from pipeline.tiny import GENERATION_CONFIG, randomize_speech_tokenizer_, write_tiny_text_tokenizer
 from pipeline.tts import TTS
 
-SIZES = {
-    "0.6B": dict(hidden_size=1024, intermediate_size=3072, text_hidden_size=2048),
-    "1.7B": dict(hidden_size=2048, intermediate_size=6144, text_hidden_size=2048),
-}
 TEXT_20_WORDS = "The quick brown fox jumps over the lazy dog while the patient narrator reads every word of this sentence aloud."
 RUNS = 5
 FRAME_S = 0.08
-
-
-def real_size_config(size: str, model_type: str, special_ids: dict[str, int]) -> dict:
-    config = tiny_config(model_type, special_ids)
-    talker = config["talker_config"]
-    talker.update(SIZES[size], num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, text_vocab_size=151936)
-    talker["rope_scaling"]["mrope_section"] = [24, 20, 20]
-    talker["code_predictor_config"].update(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16, num_key_value_heads=8, head_dim=128
-    )
-    config["speaker_encoder_config"] = {"enc_dim": talker["hidden_size"], "sample_rate": 24000}
-    return config
 
 
 @torch.no_grad()
@@ -267,7 +252,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--rows", type=int, default=16, help="rows of the engine (its batch)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -281,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         report = {
-            **report_header("pipeline.bench", argv),
+            **report_header("benchmarks.speed", argv),
             "rows": args.rows,
             "frames": args.frames,
             "graph_equals_eager": {**graph_equals_eager("0.6B", workdir, torch.float32), **graph_equals_eager("0.6B", workdir, torch.bfloat16)}

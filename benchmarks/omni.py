@@ -1,5 +1,5 @@
 """GPU benchmark of Omni chat at the real Qwen3-Omni-30B-A3B size, random weights:
-`python -m pipeline.bench_omni`.
+`python -m benchmarks.omni`.
 
 Weight values do not change speed, so the model is built in GPU memory from the released
 config.json's structure (no 70 GB checkpoint to write). A random thinker rarely writes
@@ -26,50 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.bench import report_header, write_report
+from benchmarks.speed import report_header, write_report
 from pipeline.engine import Chunk
 from pipeline.omni.chat import DEFAULT_ROWS, THINKER_MAX_SEQ
 from pipeline.omni import ChatEnd, ChatRequest, Code2Wav, Code2WavConfig, OmniChat, OmniTalker, OmniTalkerConfig, PromptIds, TextDelta, Turn
 from pipeline.omni.thinker import Thinker
+from pipeline.released import RELEASED_CONFIG
 from pipeline.tiny import OMNI_FEATURE_EXTRACTOR, randomize_, randomize_code2wav_, write_tiny_omni_tokenizer
 
-# The structure of Qwen/Qwen3-Omni-30B-A3B-Instruct's config.json (what shapes the modules and the prompt).
-RELEASED_CONFIG = {
-    "thinker_config": {
-        "text_config": {"vocab_size": 152064, "hidden_size": 2048, "intermediate_size": 768, "moe_intermediate_size": 768,
-                        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-                        "num_experts_per_tok": 8, "norm_topk_prob": True, "shared_expert_intermediate_size": 0, "max_position_embeddings": 65536,
-                        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000, "mrope_section": [24, 20, 20],
-                                                                  "interleaved": True, "mrope_interleaved": True}},
-        "audio_config": {"d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120, "output_dim": 2048,
-                         "downsample_hidden_size": 480, "num_mel_bins": 128, "n_window": 50, "n_window_infer": 800, "conv_chunksize": 500},
-        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 2048,
-                          "deepstack_visual_indexes": [8, 16, 24], "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                          "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh"},
-        "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656, "audio_start_token_id": 151669,
-        "vision_start_token_id": 151652, "position_id_per_seconds": 13, "user_token_id": 872,
-    },
-    "talker_config": {
-        "text_config": {"vocab_size": 3072, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 20, "num_attention_heads": 16,
-                        "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": 384, "num_experts": 128, "num_experts_per_tok": 6,
-                        "norm_topk_prob": True, "shared_expert_intermediate_size": 768, "rms_norm_eps": 1e-6,
-                        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000, "mrope_section": [24, 20, 20], "interleaved": True}},
-        "code_predictor_config": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5, "num_attention_heads": 16,
-                                  "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 2048, "num_code_groups": 16, "rms_norm_eps": 1e-6,
-                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1000000}},
-        "thinker_hidden_size": 2048, "num_code_groups": 16, "accept_hidden_layer": 24, "spatial_merge_size": 2,
-        "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656, "audio_start_token_id": 151669,
-        "vision_start_token_id": 151652, "position_id_per_seconds": 13,
-        "codec_eos_token_id": 2150, "codec_nothink_id": 2155, "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
-        "codec_pad_id": 2148, "codec_bos_id": 2149, "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
-    },
-    "code2wav_config": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8, "num_attention_heads": 16,
-                        "num_key_value_heads": 16, "decoder_dim": 1536, "sliding_window": 72, "codebook_size": 2048, "num_quantizers": 16,
-                        "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2], "rms_norm_eps": 1e-5, "layer_scale_initial_scale": 0.01,
-                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000}},
-    "im_start_token_id": 151644, "im_end_token_id": 151645, "system_token_id": 8948, "user_token_id": 872, "assistant_token_id": 77091,
-    "tts_pad_token_id": 151671, "tts_bos_token_id": 151672, "tts_eos_token_id": 151673,
-}
 SHORT_MESSAGE = "Hi! Could you tell me, in one or two sentences, what the weather is usually like in Lisbon in spring?"
 SPEECH_S = 0.08
 
@@ -221,7 +185,7 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     import transformers
 
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench_omni")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.omni")
     parser.add_argument("--rows", type=int, default=DEFAULT_ROWS["cuda"], help="talker rows and thinker slots (conversations at once; the app's default)")
     parser.add_argument("--tokens", type=int, default=40, help="reply tokens")
     parser.add_argument("--frames", type=int, default=60, help="speech frames per reply (60 = 4.8 s)")
@@ -246,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         converse(chat, requests["short text"](99))  # warm-up: allocator, cuBLAS handles, first-call paths
         report = {
-            **report_header("pipeline.bench_omni", argv), "transformers": transformers.__version__,
+            **report_header("benchmarks.omni", argv), "transformers": transformers.__version__,
             "rows": args.rows, "compiled": not args.no_compile, "tokens": args.tokens, "frames": args.frames, "repeats": args.repeats, "experts": args.experts,
             "memory": memory,
             "single": {name: median_run(chat, make, args.repeats) for name, make in requests.items()},

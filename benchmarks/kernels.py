@@ -1,6 +1,6 @@
-"""The fused decode step against the unfused one, on the GPU: `python -m pipeline.bench_kernels`.
+"""The fused decode step against the unfused one, on the GPU: `python -m benchmarks.kernels`.
 
-Random weights at the real sizes (pipeline.bench.random_tts), bf16, CUDA graphs. For each size:
+Random weights at the real sizes (benchmarks.speed.random_tts), bf16, CUDA graphs. For each size:
 the decode step's ms per frame and kernels per frame, unfused (the modules' step, torch.compile'd)
 and fused (pipeline.kernels), in an engine of 1 row and of 16 rows at 1 / 8 / 16 rows running;
 where the fused frame's time goes (kernel time by kind, and the launch gaps between kernels);
@@ -25,13 +25,12 @@ import torch
 
 from types import MappingProxyType
 
-from pipeline.bench import RUNS, SIZES, kernels_per_frame, random_tts, report_header, request, step_ms, write_report
+from benchmarks.speed import RUNS, SIZES, kernels_per_frame, random_tts, report_header, request, step_ms, write_report
 import pipeline.kernels.decode as kernels
 from pipeline.kernels.config import KernelConfig, Tiles
 from pipeline.tts import TTS
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
-    ("code predictor (one persistent kernel: its 15 steps, sampling included)", ("_code_predictor_kernel",)),
     ("q/k/v + norms + RoPE + cache write", ("_qkv_kernel",)),
     ("talker attention (its cache in chunks)", ("_attention_split",)),
     ("attention", ("_attention_",)),
@@ -140,24 +139,23 @@ def serial_profile(size: str, workdir: Path, config: KernelConfig) -> dict:
     return profile_step(fused_engine(size, workdir, 1, dataclasses.replace(config, overlap=False)))
 
 
-BEFORE_SWEEP = "kernel per stage, the tiles before this run's sweep"
-ALL_ROWS_LABEL = "kernel per stage, every frame over all 16 rows (row blocks off)"
+BEFORE_SWEEP = "the tiles before this run's sweep"
+ROW_BLOCKS_LABEL = "row blocks (the default)"
+ALL_ROWS_LABEL = "every frame over all 16 rows (row blocks off)"
 # (label, KernelConfig fields changed from the GPU's configuration)
 ABLATION = (
-    ("kernel per stage, overlapped launches off, prefetch off", dict(overlap=False, l2_prefetch_bytes=0)),
-    ("kernel per stage, overlapped launches on, prefetch off", dict(l2_prefetch_bytes=0)),
-    ("kernel per stage, overlapped launches on, prefetch on (the default)", {}),
-    ("persistent code predictor (the talker's kernels as the default's)", dict(persistent=True)),
+    ("overlapped launches off, prefetch off", dict(overlap=False, l2_prefetch_bytes=0)),
+    ("overlapped launches on, prefetch off", dict(l2_prefetch_bytes=0)),
+    ("overlapped launches on, prefetch on (the default)", {}),
 )
 
 
 def launch_ablation(size: str, workdir: Path, frames: int, config: KernelConfig, variants=ABLATION, repeats: int = 1) -> dict:
     """The fused step's ms per frame (engine of 1 row) with overlapped launches and the next
-    weights' L2 prefetch off and on (and the prefetch alone off), and with the code predictor in one
-    persistent kernel; kernels per frame; for both code-predictor paths the 16-row engine at 1 / 8 /
-    16 rows running, and for the kernel-per-stage path with row blocks off too (every frame over all rows);
-    and how near the bf16 codes of the other paths and of the 16-row engine (row blocks on and off)
-    are to the 1-row engine's (one sampled utterance, seed 7). Not compiled: with the fused kernels
+    weights' L2 prefetch off and on (and the prefetch alone off); kernels per frame; for the default
+    the 16-row engine at 1 / 8 / 16 rows running, with row blocks on and off (every frame over all
+    rows), and how near the bf16 codes of the 16-row engine are to the 1-row engine's (one sampled
+    utterance, seed 7). Not compiled: with the fused kernels
     the step runs no torch.compile'd code (the prefill does). `repeats` > 1: the 1-row times again,
     an engine built anew each time, the variants taking turns (a difference of a few percent between
     two variants is only real where their runs do not overlap); the table shows the median."""
@@ -165,21 +163,19 @@ def launch_ablation(size: str, workdir: Path, frames: int, config: KernelConfig,
     outputs = {}
     for label, settings in variants:
         variant = dataclasses.replace(config, **settings)
-        persistent = variant.persistent
         tts = fused_engine(size, workdir, 1, variant)
         result["rows_1"][label] = step_ms(tts, 1)
         result["kernels"][label] = kernels_per_frame(tts)
-        if set(settings) <= {"persistent"}:
-            outputs[persistent] = codes_and_audio(tts, False, frames)
+        if not settings:  # the default: its 16-row engine too, row blocks on and off
+            outputs["1 row"] = codes_and_audio(tts, False, frames)
             del tts
             tts = fused_engine(size, workdir, 16, variant)
-            result["rows_16"]["persistent code predictor" if persistent else "kernel per stage (row blocks, the default)"] = occupied_step_ms(tts)
-            if not persistent:
-                outputs["16 rows"] = codes_and_audio(tts, False, frames)
-                del tts
-                tts = fused_engine(size, workdir, 16, dataclasses.replace(variant, row_blocks=False))
-                result["rows_16"][ALL_ROWS_LABEL] = occupied_step_ms(tts)
-                outputs["16 rows, all rows"] = codes_and_audio(tts, False, frames)
+            result["rows_16"][ROW_BLOCKS_LABEL] = occupied_step_ms(tts)
+            outputs["16 rows"] = codes_and_audio(tts, False, frames)
+            del tts
+            tts = fused_engine(size, workdir, 16, dataclasses.replace(variant, row_blocks=False))
+            result["rows_16"][ALL_ROWS_LABEL] = occupied_step_ms(tts)
+            outputs["16 rows, all rows"] = codes_and_audio(tts, False, frames)
         print(size, label, result["rows_1"][label], result["kernels"][label], flush=True)
         del tts
         torch.cuda.empty_cache()
@@ -188,9 +184,8 @@ def launch_ablation(size: str, workdir: Path, frames: int, config: KernelConfig,
         for label, settings in variants:
             result["rows_1_runs"][label].append(one_row_step_ms(size, workdir, dataclasses.replace(config, **settings)))
     result["rows_1"] = {label: statistics.median(runs) for label, runs in result["rows_1_runs"].items()}
-    result["bf16_persistent_against_per_stage"] = nearness(outputs[False], outputs[True])
     result["bf16_16_rows_against_one_row"] = {
-        "row blocks": nearness(outputs[False], outputs["16 rows"]), "all rows": nearness(outputs[False], outputs["16 rows, all rows"])}
+        "row blocks": nearness(outputs["1 row"], outputs["16 rows"]), "all rows": nearness(outputs["1 row"], outputs["16 rows, all rows"])}
     return result
 
 
@@ -344,9 +339,6 @@ def ablation_markdown(report: dict) -> str:
         lines.append(f"| {path} | " + " | ".join(" / ".join(f"{ms:.2f}" for ms in runs[s]["rows_16"][path].values()) for s in sizes) + " |")
     lines.append("")
     for s in sizes:
-        near = runs[s]["bf16_persistent_against_per_stage"]
-        lines.append(f"{s} bf16, sampled (seed 7), persistent code predictor against a kernel per stage: {100 * near['equal_code_share']:.1f}% "
-                     f"of codes equal, first differing frame {near['first_differing_frame']}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
         for blocks, near in runs[s]["bf16_16_rows_against_one_row"].items():
             lines.append(f"{s} bf16, sampled (seed 7), the 16-row engine ({blocks}) against the 1-row engine: codes "
                          f"{'identical' if near['identical'] else 'NOT identical'}, waveform relative L2 {near['waveform_relative_l2']:.2e}.")
@@ -369,14 +361,14 @@ def weight_shape(text: str) -> tuple[str, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench_kernels")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--frames", type=int, default=200, help="frames of the utterance compared between the variants")
     parser.add_argument("--variants", nargs="+", default=["unfused", "unfused eager", "fused"], choices=["unfused", "unfused eager", "fused"])
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile of each kernel first and use the fastest")
     parser.add_argument("--no-float32", dest="float32", action="store_false", help="skip the float32 identity check")
     parser.add_argument("--ablation", action="store_true",
-                        help="only the fused step with overlapped launches, the L2 prefetch and the persistent code predictor off and on, "
+                        help="only the fused step with overlapped launches and the L2 prefetch off and on, row blocks off and on, "
                              "its profile, and the sampling kernel alone")
     parser.add_argument("--repeats", type=int, default=1, help="with --ablation: time each variant's 1-row step this many times, taking turns")
     parser.add_argument("--step-sweep", action="store_true",
@@ -397,25 +389,25 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.attention:
-        report = {**report_header("pipeline.bench_kernels", argv), "attention_us": attention_alone()}
+        report = {**report_header("benchmarks.kernels", argv), "attention_us": attention_alone()}
         write_report(args.out, "attention", report, attention_markdown(report))
         return 0
     config = KernelConfig.for_device(torch.device("cuda"))
     if args.sampling:
-        report = {**report_header("pipeline.bench_kernels", argv), "sampling_us": sampling_us(config)}
+        report = {**report_header("benchmarks.kernels", argv), "sampling_us": sampling_us(config)}
         write_report(args.out, "sampling", report, sampling_markdown(report))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         if args.profile:
-            report = {**report_header("pipeline.bench_kernels", argv), "timeline": {}, "profile": {}}
+            report = {**report_header("benchmarks.kernels", argv), "timeline": {}, "profile": {}}
             for size in args.sizes:
                 report["timeline"][size] = frame_shares(size, workdir, config)
                 report["profile"][size] = serial_profile(size, workdir, config)
             write_report(args.out, "profile-" + "-".join(args.sizes), report, profile_markdown(report))
             return 0
         if args.step_sweep:
-            report = {**report_header("pipeline.bench_kernels", argv), "step_sweep": {}}
+            report = {**report_header("benchmarks.kernels", argv), "step_sweep": {}}
             for size in args.sizes:
                 report["step_sweep"][size], config = step_sweep(size, workdir, config, args.shapes)
                 write_report(args.out, "step-sweep-" + "-".join(args.sizes), report, step_sweep_markdown(report))
@@ -423,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         before_sweep = config
         swept, config = sweep(args.sizes, config) if args.sweep else ({}, config)
         if args.ablation:
-            report = {**report_header("pipeline.bench_kernels", argv), "sweep": swept, "sampling_us": sampling_us(config), "ablation": {},
+            report = {**report_header("benchmarks.kernels", argv), "sweep": swept, "sampling_us": sampling_us(config), "ablation": {},
                       "profile": {}}
             variants = ABLATION
             if args.sweep:  # the step with the tiles and attention it started with, against the sweep's
@@ -434,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_report(args.out, "ablation-" + "-".join(args.sizes), report, ablation_markdown(report))
             return 0
         report = {
-            **report_header("pipeline.bench_kernels", argv),
+            **report_header("benchmarks.kernels", argv),
             "sweep": swept,
             "float32": float32_identity(workdir, 60) if args.float32 else {},
             "sizes": {},
@@ -450,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
 TALKER_CACHE = 2048  # positions of the talker's cache (pipeline.tts.DEFAULT_MAX_SEQ)
 # A sweep times each kernel over copies of its weight that together are this many bytes at least:
 # more than an H100's or H200's 50 MB of L2, so that every launch reads its weight from HBM as in
-# the decode step (whose weights, 0.1-1 GB a frame, never stay in L2). The sweeps before the fifth
-# session of 2026-11-25 replayed one weight that stayed in L2: their times were L2's.
+# the decode step (whose weights, 0.1-1 GB a frame, never stay in L2): one weight replayed would stay
+# in L2 and time L2, not HBM.
 COLD_BYTES = 128 << 20
 
 
