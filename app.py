@@ -13,7 +13,6 @@ from pipeline.server import Access
 from pipeline.service import TYPE_NAMES, ModelService, parse_models
 from ui.app import build_demo, launch_options
 
-
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOCAL_MODEL_FLAGS = ("device", "dtype", "models", "tiny", "rows", "no_compile", "no_fused_kernels")  # what --backend replaces
 
@@ -70,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="API key of the --backend server, sent as 'Authorization: Bearer KEY' (env QWEN_TTS_BACKEND_KEY; default: none)")
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link (default: off)")
     parser.add_argument(
-        "--no-compile", action="store_true", help="on CUDA, skip torch.compile of the prefill and of Omni's talker step, and, with --no-fused-kernels, of the decode step's sampling and code embeddings (with the fused kernels those run inside them; faster start, slower prefill; default: compiled)"
+        "--no-compile", action="store_true",
+        help="on CUDA, skip torch.compile of the prefill and of Omni's talker step, and, with --no-fused-kernels, of the decode step's "
+        "sampling and code embeddings (with the fused kernels those run inside them; faster start, slower prefill; default: compiled)"
     )
     parser.add_argument(
         "--no-fused-kernels", action="store_true", help="on CUDA, run the decode step's transformer layers as PyTorch modules (compiled unless "

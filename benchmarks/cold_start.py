@@ -5,9 +5,9 @@ Each start runs in a process of its own, with TRITON_CACHE_DIR and TORCHINDUCTOR
 at one fresh directory per model size (the cold start fills it, the warm start reads it). Random
 weights at the real size (weight values change no compile or capture), built on the GPU in place
 of reading a checkpoint. Reported per start: the phases (imports, weights, engine build: kernels
-compiled and graphs captured, warm-up) with the time spent compiling Triton kernels and in
-torch.compile inside them, how many kernels compiled, and then the first burst of listeners arriving
-together: their time to first audio and what compiled during it (nothing should).
+compiled and graphs captured, warm-up) with torch.compile's time inside them and the kernels compiled
+in each (the new .cubin files in Triton's cache, inductor's included), and then the first burst of
+listeners arriving together: their time to first audio and what compiled during it (nothing should).
 
     python -m benchmarks.cold_start [--sizes 0.6B 1.7B] [--listeners 16] [--json out.json]
 """
@@ -25,39 +25,21 @@ from pathlib import Path
 RESULT = "RESULT "
 
 
-class CompileClock:
-    """Every Triton compile (kernel name, seconds, the phase it fell in), by wrapping the compile
-    function Triton's launcher calls. Installed before any kernel is defined."""
+class KernelCache:
+    """The kernels in Triton's cache directory (ours and inductor's, one KERNEL_NAME.cubin each): which
+    appeared since the last look, so each phase is charged with the kernels compiled in it."""
 
     def __init__(self):
-        self.phase = "import"
-        self.compiles: list[tuple[str, float, str]] = []
+        self.seen = self.cubins()
 
-    def install(self) -> None:
-        import triton.compiler.compiler as compiler
-        import triton.runtime.jit as jit
-
-        original = compiler.compile
-
-        def timed(src, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(src, *args, **kwargs)
-            finally:
-                name = getattr(getattr(src, "fn", None), "__name__", None) or str(getattr(src, "name", "?"))
-                self.compiles.append((name, time.perf_counter() - start, self.phase))
-
-        compiler.compile = timed
-        if hasattr(jit, "compile"):
-            jit.compile = timed
-
-    def cubins(self) -> set[Path]:
-        """Kernels in Triton's cache directory (ours and inductor's): one KERNEL_NAME.cubin each."""
+    @staticmethod
+    def cubins() -> set[Path]:
         return set(Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin")) if os.environ.get("TRITON_CACHE_DIR") else set()
 
-    def in_phase(self, phase: str) -> tuple[int, float]:
-        found = [s for _, s, p in self.compiles if p == phase]
-        return len(found), sum(found)
+    def new_kernels(self) -> list[str]:
+        now = self.cubins()
+        new, self.seen = sorted(c.stem for c in now - self.seen), now
+        return new
 
 
 def dynamo_seconds() -> float:
@@ -68,43 +50,33 @@ def dynamo_seconds() -> float:
 
 
 def child(size: str, listeners: int, frames: int) -> dict:
-    clock = CompileClock()
+    cache = KernelCache()
     started = time.perf_counter()
     phases: dict[str, dict] = {}
-    seen = [clock.cubins()]
 
     def phase(name: str, since: float, dynamo_before: float) -> float:
-        count, compile_s = clock.in_phase(name)
         now = time.perf_counter()
-        cubins = clock.cubins()
-        new = sorted(c.stem for c in cubins - seen[0])
-        phases[name] = {"s": now - since, "triton_compiles": count, "triton_s": compile_s, "torch_compile_s": dynamo_seconds() - dynamo_before,
-                        "new_cubins": len(new), "kernels": new}
-        seen[0] = cubins
+        kernels = cache.new_kernels()
+        phases[name] = {"s": now - since, "torch_compile_s": dynamo_seconds() - dynamo_before, "new_cubins": len(kernels), "kernels": kernels}
         return now
 
     import torch
-    clock.install()
+
     from benchmarks.speed import random_tts, run_streams
     import_done = phase("import", started, 0.0)
 
     with tempfile.TemporaryDirectory() as workdir:
-        clock.phase = "engine"
         tts = random_tts(size, "custom_voice", "cuda", torch.bfloat16, Path(workdir), compiled=True)
         torch.cuda.synchronize()
         built = phase("engine", import_done, 0.0)
-        clock.phase = "warm_up"
         before = dynamo_seconds()
         tts.warm_up()
         torch.cuda.synchronize()
         ready = phase("warm_up", built, before)
-        clock.phase = "burst"
         before = dynamo_seconds()
         burst = run_streams(tts, listeners, frames, 0.0)
         phase("burst", ready, before)
-        late = [name for name, _, p in clock.compiles if p == "burst"]
-    return {"size": size, "ready_s": ready - started, "phases": phases, "burst": burst, "compiled_during_burst": late,
-            "slowest_compiles": sorted(((n, round(s, 2)) for n, s, _ in clock.compiles), key=lambda c: -c[1])[:12],
+    return {"size": size, "ready_s": ready - started, "phases": phases, "burst": burst, "compiled_during_burst": phases["burst"]["kernels"],
             "gpu": torch.cuda.get_device_name(), "torch_compiles": torch._dynamo.utils.compile_times(repr="str")}
 
 
@@ -123,7 +95,7 @@ def start(size: str, caches: Path, listeners: int, frames: int) -> dict:
 
 def summary(found: dict) -> str:
     p = found["phases"]
-    parts = ", ".join(f"{name} {v['s']:.1f} s ({v['new_cubins']} kernels compiled, Triton {v['triton_compiles']} timed {v['triton_s']:.1f} s, torch.compile {v['torch_compile_s']:.1f} s)"
+    parts = ", ".join(f"{name} {v['s']:.1f} s ({v['new_cubins']} kernels compiled, torch.compile {v['torch_compile_s']:.1f} s)"
                       for name, v in p.items())
     b = found["burst"]
     return (f"{found['size']} {found['start']}: ready in {found['ready_s']:.1f} s; {parts}; burst of {b['streams']}: TTFA p50 "

@@ -19,14 +19,13 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import torch
 
-from types import MappingProxyType
-
-from benchmarks.speed import RUNS, SIZES, kernels_per_frame, random_tts, report_header, request, step_ms, write_report
 import pipeline.kernels.decode as kernels
+from benchmarks.speed import RUNS, SIZES, kernels_per_frame, random_tts, report_header, request, step_ms, write_report
 from pipeline.kernels.config import KernelConfig, Tiles
 from pipeline.tts import TTS
 

@@ -28,8 +28,8 @@ import torch
 
 from benchmarks.speed import report_header, write_report
 from pipeline.engine import Chunk
-from pipeline.omni.chat import DEFAULT_ROWS, THINKER_MAX_SEQ
 from pipeline.omni import ChatEnd, ChatRequest, Code2Wav, Code2WavConfig, OmniChat, OmniTalker, OmniTalkerConfig, PromptIds, TextDelta, Turn
+from pipeline.omni.chat import DEFAULT_ROWS, THINKER_MAX_SEQ
 from pipeline.omni.thinker import Thinker
 from pipeline.released import RELEASED_CONFIG
 from pipeline.tiny import OMNI_FEATURE_EXTRACTOR, randomize_, randomize_code2wav_, write_tiny_omni_tokenizer

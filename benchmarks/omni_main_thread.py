@@ -126,7 +126,8 @@ def main() -> None:
     finally:
         app.kill()
         app.wait()
-    result.update(load_average_before=load_before, load_average=[round(x, 2) for x in os.getloadavg()], date=datetime.date.today().isoformat(), machine=platform.platform(), cpus=os.cpu_count(), processor=platform.processor())
+    result.update(load_average_before=load_before, load_average=[round(x, 2) for x in os.getloadavg()], date=datetime.date.today().isoformat(),
+                  machine=platform.platform(), cpus=os.cpu_count(), processor=platform.processor())
     print(f"Omni chat, {args.tokens}-token reply (tiny model, CPU), headless Chromium {VIEWPORT['width']}x{VIEWPORT['height']}: "
           f"longest main-thread task {result['longest_task_ms']} ms; {result['long_tasks']} long tasks (>= 50 ms), "
           f"{result['blocking_ms']} ms blocking in all, over a {result['reply_s']} s reply")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.model import TTSConfig, Talker
+from pipeline.model import Talker, TTSConfig
 
 ROLE_TOKENS = 3  # "<|im_start|>", "assistant", "\n"
 TEXT_TAIL_TOKENS = 5  # "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n"

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Queued, SamplingConfig, Waiting
-from pipeline.omni import HUB_ID as OMNI_HUB_ID
-from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, ChatRequest, OmniChat, TextDelta, Turn
-from pipeline.errors import CheckpointError, TTSInputError
-from pipeline.model import MODEL_TYPES
 from pipeline import memory_plan, voice_file
+from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Queued, SamplingConfig, Waiting
+from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import torch_device, torch_dtype
+from pipeline.model import MODEL_TYPES
+from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, ChatRequest, OmniChat, TextDelta, Turn
+from pipeline.omni import HUB_ID as OMNI_HUB_ID
 from pipeline.request import SpeechRequest
 from pipeline.tts import SAMPLES_PER_FRAME, TTS, VoicePrompt, planned_rows
 

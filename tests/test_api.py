@@ -308,9 +308,9 @@ def started(response: httpx.Response) -> Iterator[bytes]:
 @contextlib.contextmanager
 def limited_server(service, **access):
     """The speech API of `service` on a real server (a client's place is held until its stream really ends)."""
+    from conftest import serving
     from starlette.applications import Starlette
 
-    from conftest import serving
     from pipeline.server import Access, speech_routes
 
     with serving(Starlette(routes=speech_routes(service, Access(**access)))) as url:
@@ -342,9 +342,9 @@ def one_row(tiny_checkpoints):
     from pathlib import Path
 
     import anyio
+    from conftest import serving
     from starlette.applications import Starlette
 
-    from conftest import serving
     from pipeline.server import Access, speech_routes
     from pipeline.service import ModelService
 

@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-
 from conftest import free_port, voice_like
+
 from pipeline.engine import Chunk
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE
 from pipeline.service import ChatEnd, ChatRequest, ModelService, TextDelta, Turn

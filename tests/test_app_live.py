@@ -14,12 +14,11 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+from conftest import read_pcm, tables, voice_like
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
 from pipeline.service import TINY
-
-from conftest import read_pcm, tables, voice_like
 
 SPEECH = "Hello there, this is a test of the streaming demo."
 SHORT = (0.9, 50, 1.0, 1.05, 7, "1, 2, 4, 8, 16", 2)  # sampling, seed 7, schedule, 2 s max

@@ -9,14 +9,13 @@ import gradio as gr
 import numpy as np
 import pytest
 import soundfile as sf
+from conftest import voice_like
 
+from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
 from pipeline.service import TINY, ModelService, SpeechRequest, StreamEnd, check_reference_upload, parse_models
-from pipeline.engine import Chunk
 from ui import controls
 from ui.app import build_demo
-
-from conftest import voice_like
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """The page on a phone (390x844): every tab within reach without a menu, a run's figures within the
 screen's width, and the banner never covered by a loading message."""
 import pytest
-
 from browser import HANG_GUARD_MS, generate, open_tab, skip_without_browser
 
 skip_without_browser()

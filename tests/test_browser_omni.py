@@ -6,7 +6,6 @@ would have been, and an empty Seed is a new reply whose seed is shown and, typed
 import re
 
 import pytest
-
 from browser import HANG_GUARD_MS, report, seed_field, skip_without_browser, wait_until
 
 skip_without_browser()

@@ -9,8 +9,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from browser import CLICKS, HANG_GUARD_MS, SCREENSHOTS, TABS, assert_gapless_or_gaps_counted, assert_in_order, click_generate, generate, \
-    open_tab, report, seed_field, set_max_seconds, skip_without_browser
+from browser import (
+    CLICKS,
+    HANG_GUARD_MS,
+    SCREENSHOTS,
+    TABS,
+    assert_gapless_or_gaps_counted,
+    assert_in_order,
+    click_generate,
+    generate,
+    open_tab,
+    report,
+    seed_field,
+    set_max_seconds,
+    skip_without_browser,
+)
 
 skip_without_browser()
 
@@ -185,6 +198,7 @@ def cold_app(tiny_checkpoints, tmp_path_factory):
     """The app with nothing loaded yet: the tiny checkpoints, and for the Custom voice tab a checkpoint
     that cannot be had (the tiny one serves in its place)."""
     from conftest import free_port
+
     from pipeline.service import TINY, ModelService
     from ui.app import build_demo, launch_options
 

@@ -7,12 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from conftest import voice_like
 
 from pipeline.__main__ import EXIT_BAD_CHECKPOINT, EXIT_BAD_INPUT, main
 from pipeline.request import MAX_TEXT_CHARS, SpeechRequest
 from pipeline.tts import SAMPLES_PER_FRAME, TTS
-
-from conftest import voice_like
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +62,9 @@ def test_synth_writes_wav_and_codes_for_every_mode(mode, tiny_checkpoints, refer
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_checkpoints):
     tts = TTS.from_pretrained(str(tiny_checkpoints["voice_design"]))
-    run = lambda seed: tts.synthesize(SpeechRequest("Hello there.", instruct="Calm.", max_frames=10, seed=seed)).codes
+    def run(seed: int) -> np.ndarray:
+        return tts.synthesize(SpeechRequest("Hello there.", instruct="Calm.", max_frames=10, seed=seed)).codes
+
     assert np.array_equal(run(3), run(3))
     assert not np.array_equal(run(3), run(4))
 

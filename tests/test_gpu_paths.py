@@ -156,9 +156,9 @@ def test_the_fused_step_is_as_close_to_float32_as_the_module_step(size, dtype):
     contexts), 3 steps: in `dtype`, the fused step's distance from the same weights' float32 step is
     at most twice the module step's. A weight missed, a partial sum dropped or a value rounded
     twice would put it at the size of the values."""
-    from pipeline.released import SIZES
     from pipeline.kernels import fused_decode
     from pipeline.model import Transformer
+    from pipeline.released import SIZES
 
     torch.manual_seed(0)
     hidden = SIZES[size]["hidden_size"]

@@ -288,8 +288,8 @@ def replaced(tree, path, value):
 
 
 def tts_config_phase(directory: Path) -> None:
-    from pipeline.loading import TTS_CONFIG, read_json
     from pipeline.config_types import check_config
+    from pipeline.loading import TTS_CONFIG, read_json
     from pipeline.model import TTSConfig
 
     raw = read_json(directory, "config.json")

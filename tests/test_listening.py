@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-
-from pipeline.listening import ANCHOR, SessionError, Vote, VoteError, VoteStore, load_session, parse_session, trials
-from pipeline.listening import stats
 from conftest import voice_like
+
+from pipeline.listening import ANCHOR, SessionError, Vote, VoteError, VoteStore, load_session, parse_session, stats, trials
 
 REPO = Path(__file__).resolve().parents[1]
 

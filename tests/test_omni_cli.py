@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from conftest import voice_like
+from test_cli import run_cli
 from transformers import AutoTokenizer
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
 
 from pipeline.__main__ import EXIT_BAD_CHECKPOINT, EXIT_BAD_INPUT, main
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE
-from test_cli import run_cli
-from conftest import voice_like
 
 OFFICIAL_FILES = ("config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
                   "preprocessor_config.json")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from conftest import voice_like
 from transformers import AutoTokenizer, WhisperFeatureExtractor
 
 from pipeline.audio import load_message_audio
@@ -17,7 +18,6 @@ from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.omni import ChatRequest, OmniChat, Turn
 from pipeline.omni.chat import check_memory
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, audio_positions, build_inputs, layout
-from conftest import voice_like
 
 
 @pytest.fixture(scope="module")

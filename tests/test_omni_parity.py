@@ -104,7 +104,8 @@ def test_speakers_give_different_speech(chat):
 
 @contextlib.contextmanager
 def _reply_ends_after(models: list, chat: OmniChat, request: ChatRequest, tokens: int):
-    """Set the thinker's <|im_end|> row of lm_head from its final states in this reply, so that the greedy reply is `tokens` tokens and then <|im_end|> (in every model given; undone after)."""
+    """Set the thinker's <|im_end|> row of lm_head from its final states in this reply, so that the greedy reply is `tokens`
+    tokens and then <|im_end|> (in every model given; undone after)."""
     heads = [m.lm_head for m in models]
     states = []
     hook = chat.thinker.model.lm_head.register_forward_hook(lambda module, args, out: states.append(args[0][0, -1].clone()))

@@ -6,9 +6,9 @@ import threading
 
 import httpx
 import pytest
+from conftest import read_pcm, serving
 from starlette.applications import Starlette
 
-from conftest import read_pcm, serving
 from ui.pcm_stream import PcmChannels
 
 GRACE_S = 1.0

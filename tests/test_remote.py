@@ -6,8 +6,8 @@ wrong key is named in a clear message while the UI keeps serving."""
 import base64
 import html
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+from conftest import free_port, read_pcm, tables, voice_like
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
@@ -27,8 +28,6 @@ from pipeline.engine import Chunk
 from pipeline.errors import BackendUnavailable, TTSInputError
 from pipeline.remote import RemoteService
 from pipeline.service import TINY, ChatEnd, ChatRequest, ModelService, SpeechRequest, StreamEnd, StreamStart, TextDelta, Turn
-
-from conftest import free_port, read_pcm, tables, voice_like
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "s3cret"

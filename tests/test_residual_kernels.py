@@ -148,7 +148,8 @@ def test_fused_unit_reads_a_strided_input():
 def test_a_decoder_on_the_fused_units_streams_what_it_decodes_offline(tiny_checkpoints, monkeypatch):
     """The tiny codec decoder, every residual unit in the kernels (the GPU's default): chunked ==
     offline, and offline equal to PyTorch's ops."""
-    from pipeline.codec import SpeechTokenizer, decoder as decoder_module
+    from pipeline.codec import SpeechTokenizer
+    from pipeline.codec import decoder as decoder_module
 
     tokenizer = SpeechTokenizer.from_pretrained(tiny_checkpoints["base"] / "speech_tokenizer", device=DEVICE)
     decoder: SpeechDecoder = tokenizer.decoder

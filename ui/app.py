@@ -1,13 +1,13 @@
 """The whole page: banner, title, the three tabs; and what `launch` needs to serve it."""
 from __future__ import annotations
 
-import gradio as gr
-
-from pipeline.server import Access, chat_routes, speech_routes
-from pipeline.service import MAX_UPLOAD_BYTES, ModelService
 import tempfile
 
+import gradio as gr
+
 from pipeline.listening import Sessions
+from pipeline.server import Access, chat_routes, speech_routes
+from pipeline.service import MAX_UPLOAD_BYTES, ModelService
 from ui import controls, custom_voice, listening, omni_chat, voice_clone, voice_design
 from ui.latency import player_head
 from ui.pcm_stream import CHANNELS

@@ -15,8 +15,8 @@ import gradio as gr
 from pipeline.remote import RemoteService
 from pipeline.request import MAX_SEED
 from pipeline.service import DEFAULT_SCHEDULE, TINY, TYPE_NAMES, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
-from ui.latency import LatencyPanel, checkpoint_label
 from ui.errors import input_error, warn
+from ui.latency import LatencyPanel, checkpoint_label
 
 Service = ModelService | RemoteService  # models in this process, or a backend's over HTTP: the same methods
 

@@ -24,8 +24,8 @@ import numpy as np
 import pandas as pd
 
 from pipeline.service import TINY, Chunk, Queued, StreamEnd, StreamStart, TTSInputError
-from ui.pcm_stream import CHANNELS, ROUTE, RUN_ID
 from ui.errors import input_error, toast_text, warn
+from ui.pcm_stream import CHANNELS, ROUTE, RUN_ID
 
 PLAYER_JS = Path(__file__).with_name("player.js")
 ARRIVAL_GAP = "arrival gap (here)"

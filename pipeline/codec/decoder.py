@@ -20,8 +20,7 @@ from torch import nn
 from pipeline.codec.config import DecoderConfig
 from pipeline.codec.residual import fused_residual_available, residual_unit
 from pipeline.codec.snake import snake_beta
-from pipeline.codec.streaming import (CausalConv1d, CausalConvTranspose1d, StreamState, exact_float32_convolutions,
-                                      rederive_after_load)
+from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, StreamState, exact_float32_convolutions, rederive_after_load
 from pipeline.graphs import CUDAGraphed
 from pipeline.layers import LayerScale, RMSNorm, apply_rope, attention, rope_tables
 

@@ -31,12 +31,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.graphs import CUDAGraphed
+
 # pipeline.kernels imports Triton only when a kernel runs; its submodule sampling imports it at its own
 # import, so it is imported where the frame runs in kernels: a CPU-only install has no Triton.
 from pipeline.kernels import FrameText, RowState, fused_available, fused_decode, fused_decode_logits, fused_linear, fused_sample, fused_supported
 from pipeline.kernels.config import KernelConfig
-from pipeline.engine.sampling import M32, RowSampling, SamplingConfig, exponential_noise, mix32, sample_rows
 from pipeline.model import Talker, Transformer, prefill_layer
 
 MIN_NEW_TOKENS = 2  # Qwen3-TTS's reference masks EOS for the first two codebook-0 tokens (Qwen3-Omni's: none)
@@ -332,7 +333,8 @@ class BatchDecoder:
     def _row_block(self, count: int) -> RowBlock:
         """Views of the first `count` rows of the per-row buffers (built once per block size, at load)."""
         rows = slice(0, count)
-        return RowBlock(count=count, **{name: getattr(self, name)[rows] for name in ROW_BUFFERS}, talker_sampling=self.talker_sampling.select(rows), sub_sampling=self.sub_sampling.select(rows),
+        return RowBlock(count=count, **{name: getattr(self, name)[rows] for name in ROW_BUFFERS}, talker_sampling=self.talker_sampling.select(rows),
+                        sub_sampling=self.sub_sampling.select(rows),
                         cp_positions=[p[rows] for p in self.cp_positions])
 
     def _next_token(self, logits: torch.Tensor, rows: slice, frame: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import soundfile as sf
 
+from pipeline.listening import stats
 from pipeline.listening.checkpoints import as_served, check_renderable, served_choices
 from pipeline.listening.design import ANCHOR, trials
 from pipeline.listening.render import ClipCache, ModelFor
 from pipeline.listening.session import NAME, Session, SessionError, load_session, parse_session
 from pipeline.listening.store import Vote, VoteError, VoteStore, check_played
-from pipeline.listening import stats
 
 SESSION_FILE = "session.yaml"
 SOON_TOLERANCE_S = 0.25  # the server's clock against the listener's players: rounding and clock slew, far below a clip's length

@@ -23,8 +23,8 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 

@@ -25,8 +25,7 @@ from pipeline.remote.backend import LOAD_TIMEOUT_S, TASK_NAMES, Backend, StallRu
 from pipeline.remote.chat import QWEN3_OMNI_VOICES, chat_body, reply_items
 from pipeline.remote.speech import SAMPLE_RATE, SAMPLES_PER_FRAME, Connection, data_url, pcm_chunks, speech_body, unsent_settings
 from pipeline.request import SpeechRequest
-from pipeline.service import (OMNI, TAB_TYPES, ChatEnd, ChatRequest, ModelInfo, Running, StreamEnd, StreamStart, TextDelta, VoiceInfo,
-                              check_reference_upload, content_hash)
+from pipeline.service import OMNI, TAB_TYPES, ChatEnd, ChatRequest, ModelInfo, Running, StreamEnd, StreamStart, TextDelta, VoiceInfo, check_reference_upload, content_hash
 
 REFERENCES_KEPT = 8  # encoded reference recordings (a few MB each)
 
