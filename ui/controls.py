@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from pipeline.contract import Service
 from pipeline.remote import RemoteService
 from pipeline.request import MAX_SEED
 from pipeline.service import DEFAULT_SCHEDULE, TINY, TYPE_NAMES, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
 from ui.errors import input_error, warn
 from ui.latency import LatencyPanel, checkpoint_label
-
-Service = ModelService | RemoteService  # models in this process, or a backend's over HTTP: the same methods
 
 DEFAULTS = ModelService.sampling_defaults()  # the reference's defaults, which the official checkpoints ship
 MAX_TEXT_LINES = 8
@@ -129,7 +128,7 @@ def language_update(info: ModelInfo, current: str | None = "auto") -> dict:
 def stand_in(service: Service, model_type: str, checkpoint: str) -> str | None:
     """What serves in `checkpoint`'s place in this process (the tiny random checkpoint, once it could not
     be had); a backend's checkpoints serve themselves."""
-    return service.stand_in(model_type, checkpoint) if isinstance(service, ModelService) else None
+    return service.stand_in(model_type, checkpoint)
 
 
 def picker_choices(service: Service, model_type: str) -> list[tuple[str, str]]:

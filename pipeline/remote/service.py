@@ -25,7 +25,7 @@ from pipeline.remote.backend import LOAD_TIMEOUT_S, TASK_NAMES, Backend, StallRu
 from pipeline.remote.chat import QWEN3_OMNI_VOICES, chat_body, reply_items
 from pipeline.remote.speech import SAMPLE_RATE, SAMPLES_PER_FRAME, Connection, data_url, pcm_chunks, speech_body, unsent_settings
 from pipeline.request import SpeechRequest
-from pipeline.service import OMNI, TAB_TYPES, ChatEnd, ChatRequest, ModelInfo, Running, StreamEnd, StreamStart, TextDelta, VoiceInfo, check_reference_upload, content_hash
+from pipeline.service import OMNI, TAB_TYPES, ChatEnd, ChatRequest, Fallback, ModelInfo, Running, StreamEnd, StreamStart, TextDelta, VoiceInfo, check_reference_upload, content_hash
 
 REFERENCES_KEPT = 8  # encoded reference recordings (a few MB each)
 
@@ -50,6 +50,7 @@ class RemoteService:
         self._references: OrderedDict[str, str] = OrderedDict()  # content hash -> data: URL
         self._lock = threading.Lock()
         self._running = Running()
+        self.fallbacks: dict[str, Fallback] = {}  # a backend's checkpoints serve themselves
 
     @property
     def kind(self) -> str:
@@ -63,6 +64,9 @@ class RemoteService:
     def random_weights(self, model_type: str, checkpoint: str | None = None) -> bool:
         entry = self._entries.get((model_type, checkpoint or self.default_checkpoint(model_type)), {})
         return bool(entry.get("random_weights", False))
+
+    def stand_in(self, model_type: str, checkpoint: str | None = None) -> None:
+        return None
 
     def is_loaded(self, model_type: str, checkpoint: str | None = None) -> bool:
         """Whether the first use will be quick: vLLM-Omni's one model is always loaded; this app says."""
