@@ -1,10 +1,12 @@
 """The one helper for CUDA-graph capture, used by every graphed call site (decode step, prefill, vocoder)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from pipeline.ahead import compile_ahead, compiling_ahead
 
 
 class GraphPool:
@@ -35,10 +37,15 @@ class CUDAGraphed:
     replay sees whatever the caller copied into them. Its return value (tensors, possibly nested
     in tuples) is static too: the next call overwrites it. Warm-up runs execute `fn` for real, so
     callers capture while its writes are harmless (e.g. every row of the batch inactive).
+    `ahead`: whether `fn` may run once with its Triton kernels not launched, to compile them ahead
+    (pipeline.ahead); not where a PyTorch operation in it indexes with what a kernel wrote (an
+    unwritten index would read out of bounds), whose kernels then compile at its capture.
     """
 
-    def __init__(self, fn: Callable[[], Any], enabled: bool, warmup: int = 2, priority: int = 0, shared: GraphPool | None = None):
+    def __init__(self, fn: Callable[[], Any], enabled: bool, warmup: int = 1, priority: int = 0, shared: GraphPool | None = None,
+                 ahead: bool = True):
         self.fn, self.enabled, self.warmup, self.priority, self.shared = fn, enabled, warmup, priority, shared
+        self.ahead = ahead
         self.graph: torch.cuda.CUDAGraph | None = None
         self.stream: torch.cuda.Stream | None = None
         self.output: Any = None
@@ -52,6 +59,10 @@ class CUDAGraphed:
         return self.output
 
     def capture(self) -> None:
+        if compiling_ahead():  # only reach the kernels' launches, which compile meanwhile (pipeline.ahead)
+            if self.ahead:
+                self.fn()
+            return
         # Warm-up and capture on a stream of this graph's own. cuBLAS keeps one workspace per
         # stream, and a graph replays the workspace of the stream it was captured on: graphs
         # captured on torch's shared default capture stream share one workspace, and two of them
@@ -68,3 +79,17 @@ class CUDAGraphed:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             self.output = self.fn()
         self.graph, self.stream = graph, stream  # the stream (and its workspace) lives as long as the graph
+
+
+def capture_all(captures: Sequence[Callable[[], Any]], progress: Callable[[int, int], None] | None = None) -> None:
+    """Run every capture (each makes one or more graphs; see `captures()` of the engine's decoder and
+    vocoder): first once with the kernels compiling ahead, all at once (pipeline.ahead), then for
+    real, calling `progress(done, total)` after each."""
+    with compile_ahead() as ahead:
+        if ahead:
+            for capture in captures:
+                capture()
+    for done, capture in enumerate(captures, 1):
+        capture()
+        if progress is not None:
+            progress(done, len(captures))

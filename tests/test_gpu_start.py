@@ -2,6 +2,9 @@
 nothing compiles any more. The first listeners after a start would otherwise wait for the compiler:
 a burst of 16 requests, each on a row of its own, finds every Triton kernel variant and every
 torch.compile graph it runs already built. Random weights at the real 0.6B size, bf16, as served."""
+import json
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -52,3 +55,28 @@ def test_a_burst_of_listeners_after_ready_compiles_nothing():
         assert done == [12] * ROWS
         assert compiled_variants() == kernels
         assert torch_compiled_graphs() == graphs
+
+
+FIRST_CAPTURE = """
+import json, tempfile, torch
+from pathlib import Path
+from benchmarks.speed import random_tts
+from tests.test_gpu_start import compiled_variants
+seen = []
+with tempfile.TemporaryDirectory() as workdir:
+    random_tts("0.6B", "custom_voice", "cuda", torch.bfloat16, Path(workdir), rows=4, compiled=True,
+               progress=lambda done, total: seen.append(compiled_variants()))
+print(json.dumps({"first": seen[0], "last": seen[-1], "captures": len(seen)}))
+"""
+
+
+def test_every_kernel_compiles_before_the_first_capture():
+    """In a fresh process, the pass ahead of the captures (pipeline.ahead) compiles every kernel
+    variant the engine's graphs launch: the first capture ends with all of them, and the other
+    captures (every row block, prefill bucket and vocoder call) add none."""
+    done = subprocess.run([sys.executable, "-c", FIRST_CAPTURE], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["captures"] > 10
+    assert sum(found["first"].values()) > 20
+    assert found["first"] == found["last"]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeline.ahead import launch
 from pipeline.kernels import fused_available
 
 try:
@@ -72,7 +73,7 @@ def residual_unit(unit: "ResidualUnit", x: torch.Tensor, state: "StreamState") -
     history = state[conv1]  # [B, C, context], channels first as the module keeps it
     window = torch.empty(batch, context + length, channels, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(context + length, HISTORY_BLOCK), triton.cdiv(channels, HISTORY_BLOCK), batch)
-    _snake_history_kernel[grid](x, history, unit.act1.alpha_exp, unit.act1.inv_beta, window, channels, length, context,
+    launch(_snake_history_kernel, grid, x, history, unit.act1.alpha_exp, unit.act1.inv_beta, window, channels, length, context,
                                 x.stride(0), x.stride(1), history.stride(0), BLOCK=HISTORY_BLOCK)
     state.update(history, window[:, length:].transpose(1, 2))
     hidden = _convolve(window, unit.conv1_taps, conv1.conv.bias, conv1.conv.dilation[0], length, snake=unit.act2)
@@ -93,7 +94,7 @@ def _convolve(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor, dila
     # The kernel takes every pointer; those of an epilogue it does not run are never read.
     alpha, inv_beta = (snake.alpha_exp, snake.inv_beta) if snake is not None else (bias, bias)
     res = residual if residual is not None else out
-    _conv_kernel[grid](window, taps, bias, alpha, inv_beta, res, out, in_channels, out_channels, window.shape[1], length, dilation,
+    launch(_conv_kernel, grid, window, taps, bias, alpha, inv_beta, res, out, in_channels, out_channels, window.shape[1], length, dilation,
                        res.stride(0), res.stride(1),
                        TAPS=n_taps, SNAKE=snake is not None, RESIDUAL=residual is not None, PRECISION=PRECISION,
                        BLOCK_T=block_t, BLOCK_CO=BLOCK_CO, BLOCK_CI=BLOCK_CI, num_warps=4, num_stages=3)

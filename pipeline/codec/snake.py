@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.ahead import launch
+
 try:
     import triton
     import triton.language as tl
@@ -25,7 +27,7 @@ def snake_beta(x: torch.Tensor, alpha_exp: torch.Tensor, inv_beta: torch.Tensor)
     x = x.contiguous()
     y = torch.empty_like(x)
     n = x.numel()
-    _snake_beta_kernel[(triton.cdiv(n, BLOCK),)](x, alpha_exp, inv_beta, y, n, x.shape[2], x.shape[1], BLOCK=BLOCK)
+    launch(_snake_beta_kernel, (triton.cdiv(n, BLOCK),), x, alpha_exp, inv_beta, y, n, x.shape[2], x.shape[1], BLOCK=BLOCK)
     return y
 
 

@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pipeline.ahead import launch
 from pipeline.kernels.config import KernelConfig, Tiles
 
 BLOCK_M = 16  # rows of the batch per program, whatever the batch: a row's arithmetic never depends on the batch size
@@ -623,7 +624,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: 
     _check_split(k, t)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, t.block_n), t.split_k)
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * t.block_n, x.device)
-    _linear_kernel[grid](
+    launch(_linear_kernel, grid,
         x, x.stride(0), norm.weight if norm is not None else weight, normed if normed is not None else x, weight,
         bias if bias is not None else weight, residual if residual is not None else out, out, partial, locks, m, n, k,
         norm.eps if norm is not None else 0.0, HAS_NORM=norm is not None, STORE_NORMED=normed is not None, HAS_BIAS=bias is not None,
@@ -645,7 +646,7 @@ def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, l
     _check_split(hidden, t)
     grid = (triton.cdiv(m, BLOCK_M), attn.heads + 2 * attn.kv_heads, t.split_k)
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * attn.head_dim // 2, h.device)
-    _qkv_kernel[grid](
+    launch(_qkv_kernel, grid,
         h, layer.input_layernorm.weight, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions,
         q, cache.k, cache.v, partial, locks, m, hidden, length, layer.input_layernorm.eps, attn.q_norm.eps, *cache.k.stride()[:3],
         HEADS=attn.heads, KV_HEADS=attn.kv_heads, HEAD_DIM=attn.head_dim, IEEE=h.dtype == torch.float32, BLOCK_M=BLOCK_M,
@@ -683,7 +684,7 @@ def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, l
         parts = parts or groups
         assert groups % parts == 0 and parts <= min(chunks, attn.head_dim), f"{parts} programs per head: not a power of two up to {groups}"
         for passes in (3,) if one_launch else (1, 2):
-            _attention_split_kernel[grid](q, cache.k, cache.v, positions, stats, partial, locks, arrivals, out, length, scale, *strides, **shape,
+            launch(_attention_split_kernel, grid, q, cache.k, cache.v, positions, stats, partial, locks, arrivals, out, length, scale, *strides, **shape,
                                           CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks),
                                           WHOLE=whole or max(chunk, config.attention_whole), GROUPS=groups, PARTS=parts, PASSES=passes,
                                           num_warps=num_warps or 4, **launch_options(config, q.device))
@@ -691,7 +692,7 @@ def attention(attn: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, l
     # Blocks as long as the cache up to 128 positions: a code-predictor step (16 positions) is one
     # block. Measured on an H200 at 200 positions: 128 x 8 warps 9.7 us, 64 x 4 warps 14.1 us.
     block = block_s or attention_block(cache.k.shape[2])
-    _attention_kernel[(q.shape[0], attn.heads)](q, cache.k, cache.v, positions, out, length, scale, *strides, **shape, BLOCK_S=block,
+    launch(_attention_kernel, (q.shape[0], attn.heads), q, cache.k, cache.v, positions, out, length, scale, *strides, **shape, BLOCK_S=block,
                                                 num_warps=num_warps or attention_warps(block), **launch_options(config, q.device))
 
 
@@ -706,7 +707,7 @@ def attention_warps(block: int) -> int:
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, config: KernelConfig) -> torch.Tensor:
     out = torch.empty_like(x)
-    _rms_norm_kernel[(x.shape[0],)](x, norm.weight, out, x.shape[1], norm.eps, BLOCK_K=min(NORM_BLOCK, triton.next_power_of_2(x.shape[1])),
+    launch(_rms_norm_kernel, (x.shape[0],), x, norm.weight, out, x.shape[1], norm.eps, BLOCK_K=min(NORM_BLOCK, triton.next_power_of_2(x.shape[1])),
                                     **launch_options(config, x.device))
     return out
 

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pipeline.ahead import launch
 from pipeline.kernels import FrameText, RowState
 from pipeline.kernels.config import KernelConfig
 from pipeline.kernels.decode import launch_options, wait_for_inputs
@@ -293,7 +294,7 @@ def sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor, c
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     block = triton.next_power_of_2(vocab)
-    _sample_kernel[(rows,)](logits, noise, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, out, vocab,
+    launch(_sample_kernel, (rows,), logits, noise, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, out, vocab,
                            logits.stride(0), noise.stride(0), BLOCK=block, C=CANDIDATES, num_warps=sampling_warps(block, config),
                            **launch_options(config, logits.device))
     return out
@@ -327,7 +328,7 @@ def code_step(logits: torch.Tensor, settings: "RowSampling", seed_hash: torch.Te
     last = text is not None
     trailing, text_len, pad, max_seq = (text.trailing, text.length, text.pad, text.trailing.shape[1]) if last else (next_input, frame, next_input, 1)
     block = triton.next_power_of_2(vocab)
-    _code_kernel[(rows,)](logits, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, seed_hash, frame, draws_per_frame,
+    launch(_code_kernel, (rows,), logits, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, seed_hash, frame, draws_per_frame,
                           first_draw, vocab, codes, column, codes.shape[1], tables, table_starts, next_input, hidden,
                           token if last else frame, trailing, text_len, pad, max_seq, LAST=last, BLOCK=block,
                           BLOCK_H=code_row_block(hidden, codes.shape[1], last), C=CANDIDATES, num_warps=sampling_warps(block, config),
@@ -341,7 +342,7 @@ def next_token(logits: torch.Tensor, settings: "RowSampling", state: "RowState",
     rows, vocab = logits.shape
     hidden = normed.shape[-1]
     block = triton.next_power_of_2(vocab)
-    _next_token_kernel[(rows,)](logits, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, state.seed_hash, state.frame,
+    launch(_next_token_kernel, (rows,), logits, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, state.seed_hash, state.frame,
                                 draws_per_frame, vocab, state.seen, state.penalty, suppressed, eos, min_new_tokens, state.active, state.token,
                                 state.max_frame, state.text_len, state.text_end, state.pos, state.produced, normed, code_predictor_input, table,
                                 hidden, BLOCK=block, BLOCK_H=_row_block(hidden), C=CANDIDATES, num_warps=sampling_warps(block, config),
