@@ -4,14 +4,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import TYPE_CHECKING
 
+from pipeline.contract.models import MODEL_TYPES, parse_models
 from pipeline.errors import TTSInputError
 from pipeline.listening import Sessions
-from pipeline.loading import DTYPES, device_dtype
 from pipeline.remote import RemoteService
 from pipeline.server import Access
-from pipeline.service import TYPE_NAMES, ModelService, parse_models
 from ui.app import build_demo, launch_options
+
+if TYPE_CHECKING:  # the local models' service imports torch: `--backend URL` runs without it
+    from pipeline.service import ModelService
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOCAL_MODEL_FLAGS = ("device", "dtype", "models", "tiny", "rows", "no_compile", "no_fused_kernels")  # what --backend replaces
@@ -40,15 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), help="interface to listen on (env GRADIO_SERVER_NAME; default %(default)s)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (env GRADIO_SERVER_PORT; default %(default)s)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
-                        help="weights and activations (default: bfloat16 on GPUs of compute capability 8.0 or newer, float16 on older ones "
-                        "such as a T4, float32 on cpu)")
+    parser.add_argument("--dtype", default=None,
+                        help="weights and activations: float32, bfloat16 or float16 (default: bfloat16 on GPUs of compute capability 8.0 or newer, "
+                        "float16 on older ones such as a T4, float32 on cpu)")
     parser.add_argument(
         "--models",
         nargs="+",
         default=[],
         metavar="TYPE=CHECKPOINT[,CHECKPOINT]",
-        help=f"checkpoints per tab, the first the default: Hub ids, local directories or 'tiny'; TYPE is {', '.join(TYPE_NAMES.values())} "
+        help=f"checkpoints per tab, the first the default: Hub ids, local directories or 'tiny'; TYPE is {', '.join(t.name for t in MODEL_TYPES.values())} "
         "(e.g. --models clone=Qwen/Qwen3-TTS-12Hz-1.7B-Base custom=Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice,Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice; "
         "default: the official checkpoints of every tab)",
     )
@@ -83,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 def local_service(args: argparse.Namespace, parser: argparse.ArgumentParser, free_memory: int | None = None) -> ModelService:
     """The models of this process. `free_memory`: the bytes their rows are planned against (None: the
     GPU's free memory; see ModelService); --rows that do not fit stop the app with exit code 2 and the reason."""
+    from pipeline.loading import device_dtype
+    from pipeline.service import ModelService
+
     try:
         choices = parse_models(args.models)
     except ValueError as exc:
@@ -125,11 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     service = remote_service(args, parser) if args.backend else local_service(args, parser)
-    demo = build_demo(service, Sessions(args.sessions, service.model))
+    demo = build_demo(service, Sessions(args.sessions, service))
     demo.queue(default_concurrency_limit=None)
     access = Access(key=args.api_key, public=args.share or args.host not in LOCAL_HOSTS)
     # Over a backend the speech API is the backend's: this server serves the UI only.
-    api = service if isinstance(service, ModelService) else None
+    api = None if isinstance(service, RemoteService) else service
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_options(api, access))
 
 

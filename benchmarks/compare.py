@@ -90,7 +90,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.speed import TEXT_20_WORDS
+from benchmarks.speed import TEXT_20_WORDS, save_figure
 from pipeline.released import SIZES, real_size_config
 from pipeline.tiny import GENERATION_CONFIG, TINY_SPEECH_TOKENIZER_CONFIG, randomize_, write_tiny_speech_tokenizer, write_tiny_text_tokenizer
 
@@ -571,14 +571,7 @@ def plot(report: dict, path: Path) -> bool:
         latency.set(xlabel="wall time since the call (s)", ylabel="ms since the previous chunk (first: TTFA)",
                     title=f"{name}: per-chunk latency", ylim=(0, None))
         audio.set(xlabel="wall time since the call (s)", ylabel="audio received (s)", title=f"{name}: audio received")
-        for ax in (latency, audio):
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.suptitle(f"{report['gpu']}, {report['frames']} frames, median run of {report['runs']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, axes.flat, f"{report['gpu']}, {report['frames']} frames, median run of {report['runs']}", path)
 
 
 def write_outputs(out: Path, stem: str, report: dict, with_plot: bool = True) -> None:

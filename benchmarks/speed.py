@@ -282,6 +282,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def save_figure(fig, axes, title: str, path: Path, legend_size: int = 8) -> bool:
+    """Grid and legend on every axis, the title over them all, the figure written to `path` and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=legend_size)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_report(out: Path, name: str, report: dict, table: str) -> None:
     """DATE-GPU-NAME.json and .md in `out`; the table also on stdout."""
     out.mkdir(parents=True, exist_ok=True)

@@ -6,25 +6,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from pipeline.contract.events import MAX_REPLY_TOKENS
+from pipeline.contract.models import OMNI, SPEECH_TYPES
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import DTYPES, device_dtype
-from pipeline.omni import MAX_REPLY_TOKENS
 from pipeline.outputs import check_output_dir, check_output_path
-from pipeline.request import SpeechRequest, load_json
+from pipeline.request import REQUEST_FIELDS, SpeechRequest, default, load_json
 
 EXIT_BAD_INPUT = 2
 EXIT_BAD_CHECKPOINT = 3
-REQUEST_OPTIONS = ("text", "speaker", "language", "instruct", "ref_audio", "ref_text", "x_vector_only", "voice_prompt", "greedy", "seed",
-                   "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k",
-                   "subtalker_top_p", "max_frames")
+REQUEST_OPTIONS = tuple(name for name, spec in REQUEST_FIELDS.items() if spec.cli)  # synth's flags of the request, one per field
+FLAG_TYPES = {"number": float, "integer": int}  # what the other kinds' flags take: a string
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 DTYPE_HELP = "weights and activations; bfloat16 needs a GPU of compute capability 8.0 or newer (default %(default)s)"
 
@@ -35,31 +36,29 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help=DTYPE_HELP)
 
 
+def _request_options(parser: argparse.ArgumentParser) -> None:
+    """A flag per request field the CLI takes, its type, help and default from the request's schema."""
+    for name in REQUEST_OPTIONS:
+        spec, flag = REQUEST_FIELDS[name], f"--{name.replace('_', '-')}"
+        if spec.kind == "flag":
+            action = "store_true" if default(name) is False else argparse.BooleanOptionalAction  # None: on, off, or the model type's
+            parser.add_argument(flag, action=action, help=spec.help)
+        else:
+            parser.add_argument(flag, type=FLAG_TYPES.get(spec.kind, str), required=default(name) is MISSING, help=spec.help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description="Qwen3-TTS synthesis with our own engine.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     synth = commands.add_parser("synth", help="synthesize speech to a WAV file")
     _model_options(synth)
-    synth.add_argument("--text", required=True, help="what to say (required)")
-    synth.add_argument("--speaker", help="preset speaker (CustomVoice checkpoints; default: none)")
-    synth.add_argument("--language", default="auto", help="language of the text, or auto (default %(default)s)")
-    synth.add_argument("--instruct", help="style instruction (CustomVoice 1.7B) or voice description (VoiceDesign) (default: none)")
-    synth.add_argument("--ref-audio", help="reference recording to clone (Base checkpoints; default: none)")
-    synth.add_argument("--ref-text", help="transcript of the reference recording (ICL voice clone; default: none)")
-    synth.add_argument("--x-vector-only", action="store_true", help="clone from the speaker embedding alone, no transcript (default: off)")
-    synth.add_argument("--voice-prompt", help="a saved voice (.safetensors from --save-voice-prompt or the app's Export voice) instead of --ref-audio (default: none)")
+    _request_options(synth)
     synth.add_argument("--save-voice-prompt", type=Path, help="also save the voice computed from --ref-audio as a .safetensors voice file (default: none)")
-    synth.add_argument("--greedy", action="store_true", help="no sampling, for talker and sub-talker (default: off)")
-    synth.add_argument("--seed", type=int, help="0..2^32-1; the same seed gives the same audio (default: a new take each time)")
-    for flag, kind in (("--temperature", float), ("--top-k", int), ("--top-p", float), ("--repetition-penalty", float)):
-        synth.add_argument(flag, type=kind, help="the talker's sampling (default: the checkpoint's generation_config.json)")
-    for flag, kind in (("--subtalker-temperature", float), ("--subtalker-top-k", int), ("--subtalker-top-p", float)):
-        synth.add_argument(flag, type=kind, help="the code predictor's sampling (default: the checkpoint's generation_config.json)")
-    synth.add_argument("--max-frames", type=int, help="at most this many 80 ms frames for the whole text, at most the checkpoint's max_new_tokens - 1 "
-                                                      "(default: each segment of the text up to that many; a warning on stderr says what is left unspoken)")
     synth.add_argument("--out", required=True, type=Path, help="output audio file (.wav, .flac or .ogg) (required)")
     synth.add_argument("--codes-out", type=Path, help="save the generated codes as int64 [frames, 16] .npy (default: none)")
+    synth.add_argument("--timings-out", type=Path, help="save each word's start and end in seconds of the audio, [{word, start, end}] as .json, "
+                       "where the text is fed one token per frame (--no-non-streaming-mode, or Base's default) (default: none)")
 
     batch = commands.add_parser("synth-batch", help="synthesize every request of a JSONL file together, in one engine")
     _model_options(batch)
@@ -84,23 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--codes-out", type=Path, help="the talker's codes as int64 [frames, 16] .npy (default: none)")
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random-weight checkpoint in the official layout")
-    tiny.add_argument("--type", required=True, choices=["base", "custom_voice", "voice_design", "omni"], help="the checkpoint's model type (required)")
+    tiny.add_argument("--type", required=True, choices=[*SPEECH_TYPES, OMNI.id], help="the checkpoint's model type (required)")
     tiny.add_argument("outdir", type=Path, help="the directory to write (required)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default %(default)s)")
     return parser
 
 
 def _request(options: dict) -> SpeechRequest:
-    return SpeechRequest.from_dict({k: v for k, v in options.items() if v is not None and v is not False or k == "text"}).validate()
+    return SpeechRequest.from_dict({k: v for k, v in options.items() if v is not None}).validate()
 
 
 def synth(args: argparse.Namespace) -> None:
     from pipeline.tts import TTS
 
-    request = _request({name: getattr(args, name) for name in REQUEST_OPTIONS})
+    request = _request({name: getattr(args, name) for name in REQUEST_OPTIONS} | {"word_timestamps": args.timings_out is not None})
     check_output_path(args.out, "audio")
     if args.codes_out is not None:
         check_output_path(args.codes_out, "codes")
+    if args.timings_out is not None:
+        check_timings_path(args.timings_out)
     if args.save_voice_prompt is not None:
         if request.ref_audio is None:
             raise TTSInputError("--save-voice-prompt saves the voice computed from --ref-audio: give --ref-audio (with --ref-text or --x-vector-only).")
@@ -115,6 +116,8 @@ def synth(args: argparse.Namespace) -> None:
     write_audio(args.out, result.audio, result.sample_rate, result.warnings)
     if args.codes_out is not None:
         save_codes(args.codes_out, result.codes)
+    if args.timings_out is not None:
+        args.timings_out.write_text(json.dumps([word.as_dict() for word in result.words], ensure_ascii=False, indent=1), encoding="utf-8")
     if voice is not None:
         tts.save_voice_prompt(voice, args.save_voice_prompt)
     seconds = len(result.audio) / result.sample_rate
@@ -128,6 +131,15 @@ def write_audio(path: Path, audio: np.ndarray, sample_rate: int, warnings: list[
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     sf.write(path, audio, sample_rate, subtype="FLOAT" if path.suffix.lower() == ".wav" else None)
+
+
+def check_timings_path(path: Path) -> None:
+    """Raise TTSInputError unless word timings (.json) can be written at `path`."""
+    if path.is_dir() or path.suffix.lower() != ".json":
+        raise TTSInputError(f"Cannot write word timings to {path}: give a file name ending in .json.")
+    check_output_dir(path.parent)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise TTSInputError(f"Cannot write word timings to {path}: the file exists and is read-only.")
 
 
 def save_codes(path: Path, codes: np.ndarray) -> None:
@@ -166,7 +178,7 @@ def read_batch(path: Path) -> list[BatchLine]:
         try:
             item.name = _batch_name(data, names)
             options = {k: v for k, v in data.items() if k != "name"}
-            for key in ("ref_audio", "voice_prompt"):
+            for key in (name for name, spec in REQUEST_FIELDS.items() if spec.kind == "file"):
                 if isinstance(options.get(key), str) and not Path(options[key]).is_absolute():
                     options[key] = str(path.parent / options[key])  # relative to the request file
             item.request = SpeechRequest.from_dict(options).validate()
@@ -265,7 +277,7 @@ def make_tiny(args: argparse.Namespace) -> None:
     from pipeline.tiny import write_tiny_checkpoint, write_tiny_omni_checkpoint
 
     check_output_dir(args.outdir)
-    if args.type == "omni":
+    if args.type == OMNI.id:
         write_tiny_omni_checkpoint(args.outdir, args.seed)
     else:
         write_tiny_checkpoint(args.outdir, args.type, args.seed)

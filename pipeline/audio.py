@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.contract.events import SAMPLE_RATE
 from pipeline.errors import TTSInputError
 
-SAMPLE_RATE = 24000
 MIN_SECONDS = 1.0
 MAX_SECONDS = 30.0
 MAX_CHANNELS = 8

@@ -10,8 +10,10 @@ config, byte for byte what the loaders and the engine allocate; the reserve is a
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +34,17 @@ GIB = 2**30
 # engine of a process took 2.69 GiB (0.6B, 4 rows): 1.75 GiB more, paid once (PROCESS_RESERVE_BYTES).
 TTS_RESERVE_BYTES = 1 * GIB
 PROCESS_RESERVE_BYTES = int(1.75 * GIB)
-# Rows a TTS model gets at most without --rows: 16, or 8 on a card under 40 GiB, where the three default
-# checkpoints (0.6B Base, 0.6B CustomVoice, 1.7B VoiceDesign) share the memory: with 8 rows each they
-# need about 20 GiB together, which a 24 GB card (an L4) holds; with 16 the third would not fit.
-TTS_ROWS_BIG_CARD, TTS_ROWS_SMALL_CARD, BIG_CARD = 16, 8, 40 * GIB
+# Rows a TTS model gets at most without --rows: as many as the free memory holds, up to TTS_MOST_ROWS, and no
+# more than let the app's default checkpoints of its three TTS tabs (SHARED_TTS) share the card with as many
+# rows each, so that a model loaded first leaves room for the others (bf16: an L4's 22.5 GiB, 11 rows each;
+# 40 GiB, 37; 64 from 58.3 GiB). Never fewer than TTS_LEAST_CAP: on a card too small for the three to share
+# with that many rows each (under 20.8 GiB), each model gets what its free memory holds, up to that.
+TTS_MOST_ROWS, TTS_LEAST_CAP = 64, 8
+SHARED_TTS = (("0.6B", "base"), ("0.6B", "custom_voice"), ("1.7B", "voice_design"))  # pipeline.service.HUB_CHECKPOINTS' first of each TTS tab
 # Qwen3-Omni on an H100 (benchmarks.omni, docs/BENCHMARKS.md): 4.7 GiB reserved beyond what is
 # allocated once ready, for the thinker's shared graph pool and prefill staging, the talker's MoE prefill.
 OMNI_RESERVE_BYTES = 6 * GIB
-MOST_ROWS = 256  # what --rows takes at most: the table's rows stop there
+MOST_ROWS = 256  # what --rows takes at most; a plan's `max_rows` where its caller sets none
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # a card's memory that the CUDA context takes before any model (the table's assumption)
 TABLE_GPU_GIB = (8, 12, 16, 24, 40, 48, 80, 141)
 
@@ -103,9 +108,19 @@ def free_memory(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - (PROCESS_RESERVE_BYTES if first else 0)
 
 
-def tts_row_cap(total: int) -> int:
-    """The rows a TTS model gets at most without --rows on a card of `total` bytes (see TTS_ROWS_SMALL_CARD)."""
-    return TTS_ROWS_BIG_CARD if total >= BIG_CARD else TTS_ROWS_SMALL_CARD
+def tts_row_cap(total: int, dtype: torch.dtype, max_seq: int) -> int:
+    """The rows a TTS model gets at most without --rows on a card of `total` bytes, its talker in `dtype`
+    with caches of `max_seq` positions (see TTS_MOST_ROWS)."""
+    plans = shared_tts_plans(dtype, max_seq)
+    room = total - CUDA_CONTEXT_BYTES - PROCESS_RESERVE_BYTES - sum(plan.weights + plan.reserve for plan in plans)
+    shared = max(0, room) // sum(plan.per_row for plan in plans)
+    return min(TTS_MOST_ROWS, max(TTS_LEAST_CAP, shared))
+
+
+@functools.cache
+def shared_tts_plans(dtype: torch.dtype, max_seq: int) -> tuple[MemoryPlan, ...]:
+    """The plans of SHARED_TTS at their real sizes, as the fused frame runs them on CUDA (built once per process)."""
+    return tuple(released_tts_plan(size, model_type, dtype, max_seq) for size, model_type in SHARED_TTS)
 
 
 def checkpoint_name(source: str) -> str:
@@ -265,36 +280,55 @@ def released_omni_weight_bytes(config: dict[str, Any], dtype: torch.dtype) -> in
 
 # ---- the README's table ----------------------------------------------------------------------
 
-def table_plans(dtype: torch.dtype = torch.bfloat16) -> list[MemoryPlan]:
-    """The released checkpoints' plans at their real sizes, default max_seq."""
-    from pipeline.omni.chat import HUB_ID, TALKER_MAX_SEQ, THINKER_MAX_SEQ
-    from pipeline.released import RELEASED_CONFIG, real_size_config
+TTS_NAMES = {("0.6B", "custom_voice"): "CustomVoice", ("0.6B", "base"): "Base", ("1.7B", "custom_voice"): "CustomVoice",
+             ("1.7B", "base"): "Base", ("1.7B", "voice_design"): "VoiceDesign"}  # the released Qwen3-TTS checkpoints: name suffixes
+
+
+def released_tts_plan(size: str, model_type: str, dtype: torch.dtype, max_seq: int) -> MemoryPlan:
+    """A released Qwen3-TTS checkpoint's plan at its real size (`pipeline.released`), named as on the Hub."""
+    from pipeline.released import real_size_config
     from pipeline.tiny import SPECIAL_TOKENS
+
+    special = {token: 151643 + i for i, token in enumerate(SPECIAL_TOKENS)}  # ids only name tokens: sizes come from text_vocab_size
+    config = TTSConfig.from_dict(real_size_config(size, model_type, special))
+    return tts_plan(config, SpeechTokenizerConfig(), dtype, max_seq, f"Qwen3-TTS-12Hz-{size}-{TTS_NAMES[size, model_type]}")
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """A model of the table: its plan, and the most rows it gets without --rows on a card of a given size in bytes."""
+
+    plan: MemoryPlan
+    cap: Callable[[int], int]
+
+    def rows(self, gpu: int) -> str:
+        """The rows it gets on a card of `gpu` bytes by itself (its memory less the CUDA context and the process's reserve)."""
+        free = gpu - CUDA_CONTEXT_BYTES - PROCESS_RESERVE_BYTES
+        if self.plan.needed(1) > free:
+            return "does not fit"
+        return str(replace(self.plan, max_rows=self.cap(gpu)).rows_that_fit(free))
+
+
+def table_plans(dtype: torch.dtype = torch.bfloat16) -> list[TableRow]:
+    """The released checkpoints at their real sizes, default max_seq, with the caps their loaders apply on CUDA."""
+    from pipeline.omni.chat import DEFAULT_ROWS, HUB_ID, TALKER_MAX_SEQ, THINKER_MAX_SEQ
+    from pipeline.released import RELEASED_CONFIG
     from pipeline.tts import DEFAULT_MAX_SEQ
 
-    names = {("0.6B", "custom_voice"): "CustomVoice", ("0.6B", "base"): "Base", ("1.7B", "custom_voice"): "CustomVoice",
-             ("1.7B", "base"): "Base", ("1.7B", "voice_design"): "VoiceDesign"}
-    special = {token: 151643 + i for i, token in enumerate(SPECIAL_TOKENS)}  # ids only name tokens: sizes come from text_vocab_size
-    plans = []
-    for (size, model_type), suffix in names.items():
-        config = TTSConfig.from_dict(real_size_config(size, model_type, special))
-        plans.append(tts_plan(config, SpeechTokenizerConfig(), dtype, DEFAULT_MAX_SEQ, f"Qwen3-TTS-12Hz-{size}-{suffix}"))
-    weights = released_omni_weight_bytes(RELEASED_CONFIG, dtype)
-    plans.append(omni_plan(RELEASED_CONFIG, weights, dtype, TALKER_MAX_SEQ, THINKER_MAX_SEQ, checkpoint_name(HUB_ID)))
-    return plans
+    rows = [TableRow(released_tts_plan(size, model_type, dtype, DEFAULT_MAX_SEQ), lambda gpu: tts_row_cap(gpu, dtype, DEFAULT_MAX_SEQ))
+            for size, model_type in TTS_NAMES]
+    omni = omni_plan(RELEASED_CONFIG, released_omni_weight_bytes(RELEASED_CONFIG, dtype), dtype, TALKER_MAX_SEQ, THINKER_MAX_SEQ, checkpoint_name(HUB_ID))
+    return [*rows, TableRow(omni, lambda gpu: DEFAULT_ROWS["cuda"])]
 
 
-def table(plans: list[MemoryPlan], gpus_gib: tuple[int, ...] = TABLE_GPU_GIB) -> str:
-    """Markdown: per model, its weights, bytes per row, and the most rows (up to the plans' `max_rows`) that
-    fit a card of each size by itself (its memory less the CUDA context), or 'does not fit'."""
+def table(rows: list[TableRow], gpus_gib: tuple[int, ...] = TABLE_GPU_GIB) -> str:
+    """Markdown: per model, its weights, bytes per row, and the rows it gets without --rows on a card of
+    each size by itself, or 'does not fit'."""
     head = "| model (bf16) | weights GiB | per row MiB | " + " | ".join(f"{g} GB" for g in gpus_gib) + " |"
     lines = [head, "|---" * (3 + len(gpus_gib)) + "|"]
-    for plan in plans:
-        cells = []
-        for g in gpus_gib:
-            free = g * GIB - CUDA_CONTEXT_BYTES - PROCESS_RESERVE_BYTES
-            cells.append(str(plan.rows_that_fit(free)) if plan.needed(1) <= free else "does not fit")
-        lines.append(f"| {plan.name} | {gib(plan.weights)} | {plan.per_row / 2**20:.0f} | " + " | ".join(cells) + " |")
+    for row in rows:
+        cells = [row.rows(g * GIB) for g in gpus_gib]
+        lines.append(f"| {row.plan.name} | {gib(row.plan.weights)} | {row.plan.per_row / 2**20:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

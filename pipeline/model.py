@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
+from pipeline.contract.models import SPEECH_TYPES
 from pipeline.layers import DETERMINISTIC_ATTENTION, RMSNorm, apply_rope, attention, rope_tables
 from pipeline.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
 
@@ -94,7 +95,7 @@ class TalkerConfig:
         return cls(**values)
 
 
-MODEL_TYPES = ("base", "custom_voice", "voice_design")  # the released Qwen3-TTS 12 Hz model types
+MODEL_TYPES = SPEECH_TYPES  # the released Qwen3-TTS 12 Hz model types (pipeline.contract.models' registry)
 
 
 @dataclass

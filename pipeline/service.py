@@ -14,117 +14,44 @@ import logging
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
 
 from pipeline import memory_plan, voice_file
-from pipeline.engine import DEFAULT_SCHEDULE, Chunk, Queued, SamplingConfig, Waiting
+from pipeline.contract.events import (
+    DEFAULT_SCHEDULE,
+    DEFAULT_SPEAKER,
+    DEFAULT_SYSTEM_PROMPT,
+    MAX_REPLY_TOKENS,
+    TINY,
+    ChatEnd,
+    Chunk,
+    Fallback,
+    ModelInfo,
+    Queued,
+    StreamEnd,
+    StreamStart,
+    TextDelta,
+    VoiceInfo,
+    Waiting,
+)
+from pipeline.contract.models import BASE, MODEL_TYPES, OMNI, SPEECH_TYPES
+from pipeline.contract.running import MAX_UPLOAD_BYTES, Running, check_reference_upload, content_hash
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import torch_device, torch_dtype
-from pipeline.model import MODEL_TYPES
-from pipeline.omni import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, ChatRequest, OmniChat, TextDelta, Turn
-from pipeline.omni import HUB_ID as OMNI_HUB_ID
+from pipeline.omni import MAX_AUDIO_SECONDS, ChatRequest, OmniChat, Turn
 from pipeline.request import SpeechRequest
 from pipeline.tts import SAMPLES_PER_FRAME, TTS, VoicePrompt, planned_rows
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_SCHEDULE", "DEFAULT_SPEAKER", "DEFAULT_SYSTEM_PROMPT", "MAX_AUDIO_SECONDS", "MAX_REPLY_TOKENS", "ChatEnd", "ChatRequest", "Chunk", "ModelInfo",
-           "ModelService", "Queued", "SpeechRequest", "StreamEnd", "StreamStart", "TTSInputError", "TextDelta", "Turn", "VoiceInfo", "Waiting", "parse_models"]
+__all__ = ["DEFAULT_SCHEDULE", "DEFAULT_SPEAKER", "DEFAULT_SYSTEM_PROMPT", "MAX_AUDIO_SECONDS", "MAX_REPLY_TOKENS", "MAX_UPLOAD_BYTES", "TINY", "ChatEnd",
+           "ChatRequest", "Chunk", "Fallback", "ModelInfo", "ModelService", "Queued", "SpeechRequest", "StreamEnd", "StreamStart", "TTSInputError",
+           "TextDelta", "Turn", "VoiceInfo", "Waiting", "check_reference_upload"]
 
-# The official checkpoints per model type; the first is each tab's default.
-HUB_CHECKPOINTS: dict[str, tuple[str, ...]] = {
-    "base": ("Qwen/Qwen3-TTS-12Hz-0.6B-Base", "Qwen/Qwen3-TTS-12Hz-1.7B-Base"),
-    "custom_voice": ("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"),
-    "voice_design": ("Qwen/Qwen3-TTS-12Hz-1.7B-VoiceDesign",),
-    "omni": (OMNI_HUB_ID,),
-}
-OMNI = "omni"
-TAB_TYPES = (*MODEL_TYPES, OMNI)  # what --models configures: the three TTS tabs and Omni chat
-# The names users type in --models and read in the help, the README and the banner; TYPE_ALIASES takes them (and the long ones).
-TYPE_NAMES = {"base": "clone", "custom_voice": "custom", "voice_design": "design", OMNI: "omni"}
-TYPE_ALIASES = {"clone": "base", "voice_clone": "base", "custom": "custom_voice", "design": "voice_design"}
-# The HTTP API's names for the model types (vllm-omni's Qwen3-TTS task_type values; "Omni" is ours).
-API_TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base", "Omni": OMNI}
-TINY = "tiny"  # the checkpoint name that selects the built-in tiny random checkpoint of a tab's type
-MAX_UPLOAD_BYTES = 50 * 1024 * 1024
+HUB_CHECKPOINTS = {kind.id: kind.hub_checkpoints for kind in MODEL_TYPES.values()}  # each tab's choices unless --models says otherwise
 VOICE_PROMPT_CACHE = 32  # voice prompts kept (a few kB to a few hundred kB each)
-
-
-def parse_models(specs: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """['base=Qwen/...-1.7B-Base', 'custom=a,b'] -> checkpoint choices per model type (first = default)."""
-    choices: dict[str, tuple[str, ...]] = {}
-    for spec in specs:
-        kind, sep, sources = spec.partition("=")
-        kind = TYPE_ALIASES.get(kind.strip().lower(), kind.strip().lower())
-        names = tuple(s.strip() for s in sources.split(",") if s.strip())
-        if not sep or kind not in TAB_TYPES or not names:
-            raise ValueError(
-                f"--models takes TYPE=CHECKPOINT[,CHECKPOINT...] with TYPE one of {', '.join(TYPE_NAMES.values())} "
-                f"(or {', '.join(t for t in TAB_TYPES if t not in TYPE_NAMES.values())}), not '{spec}'."
-            )
-        choices[kind] = names
-    return choices
-
-
-def content_hash(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@dataclass
-class Fallback:
-    """A checkpoint that could not be had, and the tiny random one serving in its place."""
-
-    model_type: str
-    source: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a tab shows about its checkpoint: the choices it offers and whether its weights are real."""
-
-    checkpoint: str
-    model_type: str
-    speakers: list[str]
-    languages: list[str]
-    supports_instruct: bool
-    random_weights: bool
-    stand_in: str | None = None  # what serves in the checkpoint's place (TINY: it could not be had); None: itself
-
-
-@dataclass(frozen=True)
-class VoiceInfo:
-    """What the Voice clone tab says about a loaded voice file."""
-
-    x_vector_only: bool
-    ref_text: str | None
-    ref_seconds: float  # of reference audio behind its codes; 0 for x-vector only
-
-
-@dataclass
-class StreamStart:
-    """The first item of `ModelService.stream`: what serves the request and what the user should know."""
-
-    checkpoint: str
-    random_weights: bool
-    warnings: list[str] = field(default_factory=list)
-    backend: str | None = None  # the URL of the remote backend that generates it; None: this process
-    stand_in: str | None = None  # what serves in the checkpoint's place (TINY: it could not be had); None: itself
-
-
-@dataclass
-class StreamEnd:
-    """The last item of `ModelService.stream`: whether Stop ended it, and what the user should know."""
-
-    stopped: bool
-    warnings: list[str] = field(default_factory=list)
 
 
 class ModelService:
@@ -147,7 +74,7 @@ class ModelService:
         GPU's free memory when it loads, and no plan on the CPU)."""
         merged = dict(HUB_CHECKPOINTS)
         merged.update(choices or {})
-        self.choices = {kind: (TINY,) for kind in TAB_TYPES} if tiny else merged
+        self.choices = {kind: (TINY,) for kind in MODEL_TYPES} if tiny else merged
         self.device, self.dtype, self.compiled, self.rows, self.fused = device, dtype, compiled, rows, fused
         self.free_memory = free_memory
         self._tiny_root = Path(tiny_dir) if tiny_dir else Path(tempfile.mkdtemp(prefix="qwen3-tts-tiny-"))
@@ -177,7 +104,7 @@ class ModelService:
     def probe(self, timeout: float = 5.0) -> None:
         """Fall back now for default Hub checkpoints that are neither cached nor reachable, so the
         banner is up from the first page view instead of after a failed download."""
-        for model_type in TAB_TYPES:
+        for model_type in MODEL_TYPES:
             source = self.default_checkpoint(model_type)
             if source == TINY or Path(source).expanduser().exists():
                 continue
@@ -211,7 +138,7 @@ class ModelService:
 
     def preload(self) -> None:
         """Load every tab's default checkpoint now, before the first request."""
-        for model_type in MODEL_TYPES:
+        for model_type in SPEECH_TYPES:
             self.model(model_type)
 
     def model(self, model_type: str, checkpoint: str | None = None) -> TTS | OmniChat:
@@ -241,7 +168,7 @@ class ModelService:
         if source == TINY or source in self.fallbacks:
             return self._tiny(model_type)
         log.info("loading %s checkpoint %s on %s (%s)", model_type, source, self.device, self.dtype)
-        if model_type == OMNI:
+        if not MODEL_TYPES[model_type].speech:
             try:
                 return OmniChat.from_pretrained(source, device=self.device, dtype=self.dtype, rows=self.rows, compiled=self.compiled,
                                                 fused=self.fused, vocoder_lanes=3 if self.device.startswith("cuda") else 1,
@@ -272,7 +199,7 @@ class ModelService:
         with self._tiny_lock:
             if key not in self._models:
                 directory = self._tiny_directory(model_type)
-                if model_type == OMNI:
+                if not MODEL_TYPES[model_type].speech:
                     self._models[key] = OmniChat.from_pretrained(str(directory), device=self.device, dtype=self.dtype, fused=self.fused,
                                                                  free_memory=self.free_memory)
                 else:
@@ -287,7 +214,7 @@ class ModelService:
         directory = self._tiny_root / model_type
         if not directory.is_dir():  # written aside and renamed: a failed write leaves no half checkpoint
             partial = Path(tempfile.mkdtemp(prefix=f"{model_type}-", dir=self._tiny_root))
-            if model_type == OMNI:
+            if not MODEL_TYPES[model_type].speech:
                 write_tiny_omni_checkpoint(partial, seed=0)
             else:
                 write_tiny_checkpoint(partial, model_type, seed=0)
@@ -302,7 +229,7 @@ class ModelService:
         if self.rows is None or (self.free_memory is None and not self.device.startswith("cuda")):
             return
         asked = {"rows": self.rows, "fused": self.fused}
-        for model_type in MODEL_TYPES:
+        for model_type in SPEECH_TYPES:
             source = self.default_checkpoint(model_type)
             directory = self._configs_at_hand(model_type, source)
             if directory is None:
@@ -349,6 +276,12 @@ class ModelService:
         cached = self._cached_voice(key)
         return cached if cached is not None else self._keep_voice(key, tts.load_voice_prompt(data))
 
+    def voice(self, tts: TTS, request: SpeechRequest) -> VoicePrompt:
+        """The voice a request of a reference-taking type speaks in: its saved voice, or its recording's."""
+        if request.voice_prompt is not None:
+            return self.saved_voice(tts, request.voice_prompt)
+        return self.voice_prompt(tts, request.ref_audio, request.ref_text, request.x_vector_only)
+
     def _cached_voice(self, key: tuple) -> VoicePrompt | None:
         with self._lock:
             cached = self._voice_prompts.get(key)
@@ -368,12 +301,12 @@ class ModelService:
         does not pay for it; False while the inputs cannot make one yet (no audio, or ICL without transcript)."""
         if ref_audio is None or not (x_vector_only or (ref_text or "").strip()):
             return False
-        self.voice_prompt(self.model("base", checkpoint), ref_audio, ref_text, x_vector_only)
+        self.voice_prompt(self.model(BASE.id, checkpoint), ref_audio, ref_text, x_vector_only)
         return True
 
     def export_voice(self, checkpoint: str | None, ref_audio: str | Path, ref_text: str | None, x_vector_only: bool) -> Path:
         """A reference's voice prompt (computed once, as for Generate) as a voice file to download."""
-        tts = self.model("base", checkpoint)
+        tts = self.model(BASE.id, checkpoint)
         prompt = self.voice_prompt(tts, ref_audio, ref_text, x_vector_only)
         # Named by what made it, so that preparing the same voice again rewrites one file rather than adding one.
         made_of = f"{tts.name}\0{content_hash(ref_audio)}\0{x_vector_only}\0{prompt.ref_text}"
@@ -383,7 +316,7 @@ class ModelService:
     def load_voice_file(self, checkpoint: str | None, path: str | Path) -> VoiceInfo:
         """Check a voice file against the checkpoint and load it now (Generate then finds it ready);
         what it holds, for the tab to show. A bad file raises TTSInputError naming its problem."""
-        tts = self.model("base", checkpoint)
+        tts = self.model(BASE.id, checkpoint)
         prompt = self.saved_voice(tts, path)
         frames = 0 if prompt.ref_codes is None else prompt.ref_codes.shape[0]
         return VoiceInfo(not prompt.icl, prompt.ref_text, frames * SAMPLES_PER_FRAME / tts.sample_rate)
@@ -395,23 +328,20 @@ class ModelService:
         `Queued` records while it waits for a row, the audio `Chunk`s, and a `StreamEnd`.
         `stop(key)` ends it within one frame; so does closing the generator. With `wait=False`, a
         `Waiting` stands where it would block (for an event loop, which then holds no thread)."""
-        request.validate()
-        if request.model_type not in MODEL_TYPES:
-            raise TTSInputError(f"Unknown model type {request.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
+        request = request.for_service()
         source = request.checkpoint or self.default_checkpoint(request.model_type)
         tts = self.model(request.model_type, source)
         voice = None
-        if request.model_type == "base" and request.voice_prompt is not None:
-            voice = self.saved_voice(tts, request.voice_prompt)
-        elif request.model_type == "base":
-            voice = self.voice_prompt(tts, request.ref_audio, request.ref_text, request.x_vector_only)
+        if MODEL_TYPES[request.model_type].reference:
+            voice = self.voice(tts, request)
         handle = tts.submit(request, voice)  # a full queue raises EngineBusy, a TTSInputError
         self._running.add(key, handle)
         try:
             yield StreamStart(source, self.random_weights(request.model_type, source), list(handle.warnings),
                               stand_in=self.stand_in(request.model_type, source))
             yield from handle.events(wait)
-            yield StreamEnd(handle.stopped, list(dict.fromkeys(handle.warnings)))
+            words = [word.as_dict() for word in tts.spoken_words(request, voice, handle)] if request.word_timestamps else None
+            yield StreamEnd(handle.stopped, list(dict.fromkeys(handle.warnings)), words)
         finally:
             handle.close()
             self._running.remove(key, handle)
@@ -420,12 +350,12 @@ class ModelService:
              wait: bool = True) -> Iterator[StreamStart | TextDelta | Queued | Chunk | ChatEnd | StreamEnd | Waiting]:
         """Omni chat: like `stream` (`wait` included), with the reply's text deltas and a ChatEnd before
         the StreamEnd. A new chat under the same `key` stops the one before it."""
-        source = checkpoint or self.default_checkpoint(OMNI)
-        model = self.model(OMNI, source)
+        source = checkpoint or self.default_checkpoint(OMNI.id)
+        model = self.model(OMNI.id, source)
         reply = model.stream(request)  # a full engine queue is found later, as a TTSInputError of the stream
         self._running.add(key, reply)
         try:
-            yield StreamStart(source, self.random_weights(OMNI, source), list(reply.warnings), stand_in=self.stand_in(OMNI, source))
+            yield StreamStart(source, self.random_weights(OMNI.id, source), list(reply.warnings), stand_in=self.stand_in(OMNI.id, source))
             end = None
             for event in reply.items(wait):
                 end = event if isinstance(event, ChatEnd) else end
@@ -435,63 +365,9 @@ class ModelService:
             reply.close()
             self._running.remove(key, reply)
 
-    @staticmethod
-    def sampling_defaults() -> SamplingConfig:
-        """The sampling settings the official checkpoints ship (the Advanced sliders' starting values)."""
-        return SamplingConfig()
-
     def stop(self, key: str = "") -> bool:
         """Stop the stream running under `key`, if any, within one frame; True if there was one."""
         return self._running.stop(key)
-
-
-class Stoppable(Protocol):
-    def close(self) -> None:  # thread-safe: ends the stream within a frame
-        ...
-
-
-class Running:
-    """The streams running, by key (browser session, tab and run): one per key, a new run replacing the
-    one before; an engine handle, a chat, or a remote backend's connection."""
-
-    def __init__(self) -> None:
-        self._streams: dict[str, Stoppable] = {}
-        self._lock = threading.Lock()
-
-    def add(self, key: str, handle: Stoppable) -> None:
-        with self._lock:
-            previous = self._streams.get(key)
-            self._streams[key] = handle
-        if previous is not None:
-            previous.close()
-
-    def remove(self, key: str, handle: Stoppable) -> None:
-        with self._lock:
-            if self._streams.get(key) is handle:
-                del self._streams[key]
-
-    def stop(self, key: str) -> bool:
-        with self._lock:
-            handle = self._streams.get(key)
-        if handle is None:
-            return False
-        handle.close()
-        return True
-
-
-def check_reference_upload(path: str | Path | None) -> Path:
-    """The problems of an uploaded or recorded reference file that come before decoding it."""
-    if path is None or str(path) == "":
-        raise TTSInputError("No reference audio: upload a recording, record one with the microphone, or pick a sample voice.")
-    path = Path(path)
-    if not path.is_file():
-        raise TTSInputError(f"The reference audio file {path.name} is gone; upload it again.")
-    size = path.stat().st_size
-    if size == 0:
-        raise TTSInputError("The reference recording is empty: record again, and speak for 3-20 seconds.")
-    if size > MAX_UPLOAD_BYTES:
-        raise TTSInputError(f"The reference file is {size / 2**20:.0f} MB; the limit is {MAX_UPLOAD_BYTES // 2**20} MB (3-20 s of speech is far less).")
-    return path
 
 
 def hub_unavailable_reason(repo_id: str, timeout: float = 5.0) -> str | None:

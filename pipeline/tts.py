@@ -16,15 +16,18 @@ import torch
 from pipeline import audio as audio_io
 from pipeline import memory_plan, voice_file
 from pipeline.codec import SpeechTokenizer
-from pipeline.engine import BatchDecoder, Engine, Handle, Job, SamplingConfig, Segment
+from pipeline.contract.events import SAMPLES_PER_FRAME
+from pipeline.contract.models import MODEL_TYPES
+from pipeline.engine import BatchDecoder, DecodeConfig, Engine, Handle, Job, SamplingConfig, Segment
 from pipeline.errors import TTSInputError
 from pipeline.kernels import fused_available
 from pipeline.kernels.config import KernelConfig
 from pipeline.loading import load_model, load_text_tokenizer, read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.model import Qwen3TTS
-from pipeline.prompt import ICLReference, Prompt, assistant_text, build_prompt, instruct_text, reference_text
+from pipeline.prompt import REF_TAIL_TOKENS, ROLE_TOKENS, TEXT_TAIL_TOKENS, ICLReference, Prompt, assistant_text, build_prompt, instruct_text, reference_text
 from pipeline.request import MAX_TEXT_CHARS, SpeechRequest, split_text
 from pipeline.voice_file import SavedVoice, VoiceSpace
+from pipeline.word_timings import IncrementalTokenizer, TextLayout, Token, WordTime, spoken_words, word_times
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,6 @@ DEFAULT_MAX_SEQ = 2048  # talker positions per segment: prompt + up to ~2.5 min 
 # as the free memory holds, at most 16 (8 on a card under 40 GiB; pipeline.memory_plan).
 DEFAULT_ROWS = {"cuda": 16, "cpu": 4}
 VOCODER_LANES = {"cuda": 4}  # vocoder calls that may run at once (pipeline.engine.core.vocoder_lane); one on the CPU
-SAMPLES_PER_FRAME = 1920
 
 
 def planned_rows(directory: Path, source: str, device: torch.device, dtype: torch.dtype, free: int | None, options: dict) -> int | None:
@@ -43,15 +45,17 @@ def planned_rows(directory: Path, source: str, device: torch.device, dtype: torc
         return options.get("rows")
     fused = options.get("fused")
     frame_kernels = device.type == "cuda" and (fused_available(device) if fused is None else fused)
-    plan = memory_plan.tts_checkpoint_plan(directory, dtype, options.get("max_seq", DEFAULT_MAX_SEQ), memory_plan.checkpoint_name(source),
-                                           frame_kernels, max_rows=row_cap(device))
+    max_seq = options.get("max_seq", DEFAULT_MAX_SEQ)
+    plan = memory_plan.tts_checkpoint_plan(directory, dtype, max_seq, memory_plan.checkpoint_name(source), frame_kernels,
+                                           max_rows=row_cap(device, dtype, max_seq))
     return plan.choose_rows(options.get("rows"), memory_plan.free_memory(device) if free is None else free)
 
 
-def row_cap(device: torch.device) -> int:
-    """The rows an engine gets at most without --rows: by the card's size on CUDA (pipeline.memory_plan), else the device's default."""
+def row_cap(device: torch.device, dtype: torch.dtype, max_seq: int) -> int:
+    """The rows an engine gets at most without --rows: from the card's memory on CUDA (pipeline.memory_plan.tts_row_cap),
+    else the device's default."""
     if device.type == "cuda":
-        return memory_plan.tts_row_cap(torch.cuda.get_device_properties(device).total_memory)
+        return memory_plan.tts_row_cap(torch.cuda.get_device_properties(device).total_memory, dtype, max_seq)
     return DEFAULT_ROWS.get(device.type, 4)
 
 
@@ -75,6 +79,7 @@ class Synthesis:
     sample_rate: int
     codes: np.ndarray  # int64 [frames, 16], generated frames only
     warnings: list[str]
+    words: list[WordTime] | None = None  # where the request asked for word timestamps
 
 
 class TTS:
@@ -108,7 +113,8 @@ class TTS:
         self.rows = rows or DEFAULT_ROWS.get(self.device.type, 4)
         with torch.inference_mode():
             tts_pad = model.talker.embed_text(torch.tensor([[self.config.tts_pad_token_id]], device=self.device))[0, 0]
-            decoder = BatchDecoder(model.talker, tts_pad, self.rows, max_seq, use_cuda_graphs, compiled, fused=fused, kernels=kernels)
+            settings = DecodeConfig.for_talker(model.talker, self.rows, max_seq, use_cuda_graphs, compiled, fused=fused, kernels=kernels)
+            decoder = BatchDecoder(model.talker, tts_pad, settings)
             lanes = vocoder_lanes or VOCODER_LANES.get(self.device.type, 1)
             vocoder = speech_tokenizer.multi_stream_decoder(self.rows, use_cuda_graphs, lanes)
             self.engine = Engine(decoder, vocoder, max_queue=max_queue, progress=progress)
@@ -229,12 +235,13 @@ class TTS:
         return name
 
     def check(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> list[str]:
-        """The checkpoint-dependent checks of a request (model-independent ones first); returns warnings."""
-        request.validate()
+        """The checkpoint-dependent checks of a request (model-independent ones first, unless it is
+        validated already); returns warnings."""
+        request = request.validate()
         request.check_for_checkpoint(self.model_type, self.default_max_frames())
         speaker = self._speaker(request.speaker)
         self._language_id(request.language, speaker)
-        if self.model_type == "base":
+        if MODEL_TYPES[self.model_type].reference:
             if voice is None and request.ref_audio is None and request.voice_prompt is None:
                 raise TTSInputError(
                     "This is a Base (voice clone) checkpoint: give reference audio (and its transcript, or x-vector-only mode), or a saved voice."
@@ -250,8 +257,10 @@ class TTS:
         return []
 
     @torch.inference_mode()
-    def prompt(self, text: str, language: str, speaker: str | None, instruct: str, voice: VoicePrompt | None) -> Prompt:
-        """The talker prompt of one segment of text."""
+    def prompt(self, text: str, language: str, speaker: str | None, instruct: str, voice: VoicePrompt | None,
+               non_streaming: bool | None = None) -> Prompt:
+        """The talker prompt of one segment of text: all of it in the prompt (`non_streaming`), or fed one
+        token per frame; None: the model type's default, as the reference's (streamed for voice cloning)."""
         speaker = self._speaker(speaker)
         talker = self.model.talker
         speaker_embed = None
@@ -270,8 +279,7 @@ class TTS:
             speaker_embed=speaker_embed,
             instruct_ids=self._ids(instruct_text(instruct)) if instruct else None,
             icl=icl,
-            # The reference's defaults: the whole text up front, except for voice cloning.
-            non_streaming_text=self.model_type != "base",
+            non_streaming_text=not MODEL_TYPES[self.model_type].streams_text if non_streaming is None else non_streaming,
         )
         if prompt.prefill.shape[1] + 1 >= self.max_seq:
             raise TTSInputError(
@@ -282,16 +290,18 @@ class TTS:
 
     def prepare(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> tuple[Job, list[str]]:
         """Validate `request` and build its job (every problem raises TTSInputError, before any generation)."""
+        job, warnings, _ = self._prepare(request, voice)
+        return job, warnings
+
+    def _prepare(self, request: SpeechRequest, voice: VoicePrompt | None) -> tuple[Job, list[str], VoicePrompt | None]:
+        """The job, its warnings and the voice it speaks in (made from the request's reference where none is given)."""
+        request = request.validate()
         warnings = self.check(request, voice)
-        if self.model_type == "base" and voice is None:
-            if request.voice_prompt is not None:
-                voice = self.load_voice_prompt(request.voice_prompt)
-            else:
-                voice = self.create_voice_prompt(request.ref_audio, request.ref_text, request.x_vector_only)
+        voice = self._voice_of(request, voice)
         instruct = (request.instruct or "").strip() if self.supports_instruct else ""
         text = request.text
-        segments = split_text(text) if len(text) <= MAX_TEXT_CHARS else [text]
-        prompts = [self.prompt(segment, request.language, request.speaker, instruct, voice) for segment in segments]
+        segments = self.segments(text)
+        prompts = [self.prompt(segment, request.language, request.speaker, instruct, voice, request.non_streaming_mode) for segment in segments]
         sampling = self.sampling(request.greedy, **request.sampling_overrides())
         seed = random.getrandbits(31) if request.seed is None else request.seed
         # Each segment may speak for as long as the checkpoint lets one utterance speak: a long text is
@@ -299,7 +309,8 @@ class TTS:
         per_segment = self.default_max_frames()
         max_frames = per_segment * len(segments) if request.max_frames is None else request.max_frames
         job = Job(
-            [Segment(p.prefill, p.trailing_text, True, chars=len(segment)) for p, segment in zip(prompts, segments)],
+            [Segment(p.prefill, p.trailing_text, True, chars=len(segment), text_tokens=len(self.text_tokenizer(segment)["input_ids"]))
+             for p, segment in zip(prompts, segments)],
             sampling,
             seed,
             max_frames,
@@ -307,24 +318,56 @@ class TTS:
             voice.vocoder_state if voice is not None and voice.icl else None,
             segment_frames=per_segment,
         )
-        return job, warnings
+        return job, warnings, voice
+
+    @staticmethod
+    def segments(text: str) -> list[str]:
+        """The pieces of a text that are spoken one after the other, each from a prompt of its own."""
+        return split_text(text) if len(text) <= MAX_TEXT_CHARS else [text]
 
     def submit(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> Handle:
         """Validate now (errors raise here), then stream: iterate the handle for `Chunk`s."""
-        job, warnings = self.prepare(request, voice)
+        return self._submit(request, voice)[0]
+
+    def _submit(self, request: SpeechRequest, voice: VoicePrompt | None) -> tuple[Handle, VoicePrompt | None]:
+        job, warnings, voice = self._prepare(request, voice)
         for warning in warnings:
             log.warning(warning)
         handle = self.engine.submit(job)
         handle.warnings.extend(warnings)
-        return handle
+        return handle, voice
 
     def synthesize(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> Synthesis:
-        """The whole utterance: the streamed chunks of `submit`, joined."""
+        """The whole utterance: the streamed chunks of `submit`, joined (and its words timed, where the request asks)."""
+        request = request.validate()
         # The request's own chunk schedule: the audio is then bit for bit what a listener streams.
-        handle = self.submit(request, voice)
+        handle, voice = self._submit(request, voice)
         # Never empty: EOS is masked for the first two frames, and max_frames >= 1.
         audio = np.concatenate([chunk.audio for chunk in handle])
-        return Synthesis(audio, self.sample_rate, handle.codes.numpy(), list(dict.fromkeys(handle.warnings)))
+        words = self.spoken_words(request, voice, handle) if request.word_timestamps else None
+        return Synthesis(audio, self.sample_rate, handle.codes.numpy(), list(dict.fromkeys(handle.warnings)), words)
+
+    def spoken_words(self, request: SpeechRequest, voice: VoicePrompt | None, handle: Handle) -> list[WordTime]:
+        """The words of a request spoken in the streaming-text layout (the `voice` it was spoken in, its
+        ended `handle`), timed in seconds of its audio (pipeline.word_timings: the frame each word's first
+        token enters at, and the frame after its last one's); words left unspoken are left out."""
+        segments = [(segment, self.segment_tokens(segment)) for segment in self.segments(request.text)]
+        return spoken_words(segments, self.text_layout(voice), handle.segment_frames, len(handle.codes))
+
+    def segment_tokens(self, segment: str) -> list[Token]:
+        """The text tokens of a segment as its prompt lays them (`prompt`), with their characters in `segment`."""
+        framed = assistant_text(segment)
+        start = framed.index(segment)
+        encoding = self.text_tokenizer(framed, return_offsets_mapping=True)
+        ids, spans = encoding["input_ids"][ROLE_TOKENS:-TEXT_TAIL_TOKENS], encoding["offset_mapping"][ROLE_TOKENS:-TEXT_TAIL_TOKENS]
+        return [Token(i, a - start, b - start) for i, (a, b) in zip(ids, spans)]
+
+    def text_layout(self, voice: VoicePrompt | None) -> TextLayout:
+        """Where a streaming-text prompt lays the text: a voice clone's reference transcript and frames come before it."""
+        if voice is None or not voice.icl:
+            return TextLayout()
+        transcript = len(self.text_tokenizer(reference_text(voice.ref_text))["input_ids"]) - ROLE_TOKENS - REF_TAIL_TOKENS
+        return TextLayout(lead=voice.ref_codes.shape[0] - transcript)
 
     def default_max_frames(self) -> int:
         # The reference's max_new_tokens=N gives N-1 frames.
@@ -349,3 +392,147 @@ class TTS:
             return self.speech_tokenizer.decode(codes).float().cpu().numpy()
         wav = self.speech_tokenizer.decode(torch.cat([ref_codes.to(codes.device), codes]))
         return wav[ref_codes.shape[0] * SAMPLES_PER_FRAME :].float().cpu().numpy()
+
+    # ---- text still being written ------------------------------------------------------------
+
+    def open_text_stream(self, request: SpeechRequest, voice: VoicePrompt | None = None) -> "TextStream":
+        """Speak text that is still being written, in the official streaming-text layout: `request`
+        gives the voice, sampling and limits (its own text is not spoken); the text comes through the
+        returned stream's `append` and `finish` and reaches the talker one token per frame. The row is
+        taken now, its prompt prefilled but for the text's first positions. Problems raise TTSInputError here."""
+        request = request.validate()
+        warnings = self.check(request, voice)
+        voice = self._voice_of(request, voice)
+        layout = self._text_stream_layout(request, voice)
+        per_segment = self.default_max_frames()
+        max_frames = per_segment if request.max_frames is None else request.max_frames
+        job = Job(
+            [Segment(layout.prefix, layout.prefix.new_zeros(0, layout.prefix.shape[-1]), text_end=False, awaits=layout.codec_tail.shape[0])],
+            self.sampling(request.greedy, **request.sampling_overrides()),
+            random.getrandbits(31) if request.seed is None else request.seed,
+            max_frames,
+            tuple(request.schedule),
+            voice.vocoder_state if voice is not None and voice.icl else None,
+            segment_frames=per_segment,
+        )
+        capacity = min(max_frames, per_segment, self.engine.decoder.max_frames(layout.prefix.shape[1] + layout.codec_tail.shape[0]))
+        handle = self.engine.submit(job)  # a full queue raises EngineBusy, a TTSInputError
+        handle.warnings.extend(warnings)
+        return TextStream(self, handle, layout, capacity)
+
+    def _voice_of(self, request: SpeechRequest, voice: VoicePrompt | None) -> VoicePrompt | None:
+        """The request's cloned voice (Base checkpoints): `voice` if given, else made from its saved voice or reference audio."""
+        if not MODEL_TYPES[self.model_type].reference or voice is not None:
+            return voice
+        if request.voice_prompt is not None:
+            return self.load_voice_prompt(request.voice_prompt)
+        return self.create_voice_prompt(request.ref_audio, request.ref_text, request.x_vector_only)
+
+    @torch.inference_mode()
+    def _text_stream_layout(self, request: SpeechRequest, voice: VoicePrompt | None) -> "TextStreamLayout":
+        instruct = (request.instruct or "").strip() if self.supports_instruct else ""
+        # What precedes the text's positions does not depend on the text: the prompt of a stand-in
+        # text, cut where the text begins (its last position, or the reference frames of a voice clone).
+        prompt = self.prompt(STAND_IN_TEXT, request.language, request.speaker, instruct, voice, non_streaming=False)
+        talker = self.model.talker
+        ids = torch.tensor([[self.config.talker_config.codec_bos_id]], device=self.device)
+        codec_tail = talker.model.codec_embedding(ids)[0]
+        lead_text = codec_tail.new_zeros(0, codec_tail.shape[-1])
+        if voice is not None and voice.icl:
+            codec_tail = torch.cat([codec_tail, talker.embed_codes(voice.ref_codes.to(self.device))])
+            lead_text = talker.embed_text(self._ids(reference_text(voice.ref_text))[:, ROLE_TOKENS:-REF_TAIL_TOKENS])[0]
+        eos_pad = talker.embed_text(torch.tensor([[self.config.tts_eos_token_id, self.config.tts_pad_token_id]], device=self.device))[0]
+        return TextStreamLayout(prompt.prefill[:, : -codec_tail.shape[0]], codec_tail, lead_text, eos_pad[:1], eos_pad[1:])
+
+
+STAND_IN_TEXT = "."  # any text: only the prompt's part before the text is kept
+
+
+@dataclass
+class TextStreamLayout:
+    """A streaming-text prompt around text still to come. Its last `n` positions (n = len(codec_tail))
+    lay the first n positions of the text track (`lead_text`, then the text's tokens, then tts_eos;
+    tts_pad where they run out) over `codec_tail`; the rest of the text track follows, one per frame."""
+
+    prefix: torch.Tensor  # [1, L, hidden]: the prompt before those positions
+    codec_tail: torch.Tensor  # [n, hidden]: codec_bos (then a voice clone's reference frames)
+    lead_text: torch.Tensor  # [r, hidden]: text before the streamed text (a voice clone's reference transcript)
+    tts_eos: torch.Tensor  # [1, hidden]
+    tts_pad: torch.Tensor  # [1, hidden]
+
+    @property
+    def timing(self) -> TextLayout:
+        # Text token j is position r + j of the text track; positions from n on enter one per frame from frame 1.
+        return TextLayout(lead=self.codec_tail.shape[0] - 1 - self.lead_text.shape[0])
+
+
+class TextStream:
+    """The text of a job opened by `TTS.open_text_stream`, given as it is written: its tokens are the
+    whole text's (`pipeline.word_timings.IncrementalTokenizer`), fed to the row as each one is final.
+    Iterate `handle` for the audio; `close()` frees the row within a frame."""
+
+    def __init__(self, tts: TTS, handle: Handle, layout: TextStreamLayout, capacity: int):
+        self.tts, self.handle, self.layout = tts, handle, layout
+        self.tokenizer = IncrementalTokenizer(tts.text_tokenizer)
+        self.capacity = capacity  # text positions after the prompt that the row can read
+        self._prompt_text = layout.lead_text  # the text track's positions still to lay over codec_tail
+        self._fed = 0  # text positions after the prompt
+        if self._prompt_text.shape[0] >= layout.codec_tail.shape[0]:  # a reference transcript longer than its frames
+            self._send(self._prompt_text.new_zeros(0, self._prompt_text.shape[-1]), end=False)
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.text
+
+    @property
+    def tokens(self) -> list[Token]:
+        return self.tokenizer.tokens
+
+    def append(self, piece: str) -> list[Token]:
+        """More text; returns the tokens that it made final (sent to the row)."""
+        if len(self.tokenizer.text) + len(piece) > MAX_TEXT_CHARS:
+            raise TTSInputError(f"The text is {len(self.tokenizer.text) + len(piece)} characters long; the limit is {MAX_TEXT_CHARS} characters.", "text")
+        new = self.tokenizer.feed(piece)
+        self._send(self._embed(new), end=False)
+        return new
+
+    def finish(self) -> list[Token]:
+        """The text ends: its last tokens, then tts_eos; the row speaks to its end."""
+        new = self.tokenizer.finish()
+        if not self.tokenizer.tokens:
+            raise TTSInputError("No text came before the end: send the text to speak first.", "text")
+        self._send(torch.cat([self._embed(new), self.layout.tts_eos]), end=True)
+        return new
+
+    def words(self, final: bool = False) -> list[WordTime]:
+        """The words timed so far (all of them once the text has ended and `final`), in seconds of the audio."""
+        return word_times(self.tokenizer.text, self.tokenizer.tokens, self.layout.timing, final)
+
+    def close(self) -> None:
+        self.handle.close()
+
+    @torch.inference_mode()
+    def _embed(self, tokens: list[Token]) -> torch.Tensor:
+        ids = torch.tensor([[t.id for t in tokens]], dtype=torch.long, device=self.tts.device)
+        return self.tts.model.talker.embed_text(ids)[0]
+
+    @torch.inference_mode()
+    def _send(self, embeds: torch.Tensor, end: bool) -> None:
+        """Text track positions in order: the prompt's last ones first (the row starts once they are
+        all there, tts_pad filling them if the text ends before), then one per frame."""
+        layout = self.layout
+        if self._prompt_text is not None:
+            self._prompt_text = torch.cat([self._prompt_text, embeds])
+            n = layout.codec_tail.shape[0]
+            if self._prompt_text.shape[0] < n and not end:
+                return
+            head, embeds = self._prompt_text[:n], self._prompt_text[n:]
+            head = torch.cat([head, layout.tts_pad.expand(n - head.shape[0], -1)])
+            self._prompt_text = None
+            self.handle.finish_prompt((head + layout.codec_tail)[None])
+        room = self.capacity - self._fed
+        if embeds.shape[0] > room:  # never read: the row reaches its frame limit first
+            embeds = embeds[:max(room, 0)]
+        self._fed += embeds.shape[0]
+        if embeds.shape[0] or end:
+            self.handle.append_text(embeds, end)

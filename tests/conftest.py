@@ -99,7 +99,7 @@ def live_app(tiny_checkpoints, tmp_path_factory):
 
     service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)
     service.preload()  # loading is tested elsewhere; here every request should find its model ready
-    sessions = Sessions(tmp_path_factory.mktemp("listening"), service.model)
+    sessions = Sessions(tmp_path_factory.mktemp("listening"), service)
     demo = build_demo(service, sessions)
     demo.queue(default_concurrency_limit=None)
     port = free_port()

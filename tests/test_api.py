@@ -4,6 +4,7 @@ equals what the engine gives the same request; bad requests get a JSON error wit
 import base64
 import contextlib
 import io
+import json
 import struct
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ import soundfile as sf
 
 from pipeline.request import SpeechRequest
 from pipeline.service import TINY
+from pipeline.word_timings import IncrementalTokenizer, word_times
 
 
 @pytest.fixture(scope="module")
@@ -185,11 +187,19 @@ def test_bad_saved_voices_get_json_errors(api, voice_file, reference_wav):
     ({"input": "Hi.", "task_type": "Base", "ref_audio": base64.b64encode(b"RIFF junk").decode(), "x_vector_only_mode": True}, 400,
      "The file ref_audio could not be read as audio"),
     ({"input": "Hi.", "model": "Qwen/unknown"}, 404, "Model 'Qwen/unknown' is not served here"),
-    ({"input": "Hi.", "task_type": "Talking"}, 400, "'task_type' is one of CustomVoice, VoiceDesign, Base"),
+    ({"input": "Hi.", "task_type": "Talking"}, 400, "'task_type' is one of Base, CustomVoice, VoiceDesign (default: CustomVoice)"),
     ({"input": "Hi.", "colour": "red"}, 400, "Unknown field 'colour'."),
     ({"input": "Hi.", "voice": "ryan", "temperature": -1}, 400, "temperature"),
     ({"input": "Hi.", "voice": "ryan", "response_format": "pcm", "stream_format": "events"}, 400, "'stream_format' is 'audio' (raw audio bytes) or 'sse'"),
     ({"input": "Hi.", "voice": "ryan", "schedule": "1, two"}, 400, "comma-separated list of frame counts"),
+    ({"input": "Hi.", "voice": "ryan", "word_timestamps": True, "non_streaming_mode": False}, 400,
+     "Word timestamps come as Server-Sent Events: add \"stream_format\": \"sse\""),
+    ({"input": "Hi.", "voice": "ryan", "word_timestamps": True, "stream": True, "response_format": "pcm", "non_streaming_mode": False}, 400,
+     "Word timestamps come as Server-Sent Events"),
+    ({"input": "Hi.", "voice": "ryan", "word_timestamps": True, "stream_format": "sse"}, 400,
+     "Word timestamps need the text fed one token per frame, and this request has the whole text in the prompt (CustomVoice puts it there by default)"),
+    ({"input": "Hi.", "voice": "ryan", "word_timestamps": True, "stream_format": "sse", "non_streaming_mode": True}, 400,
+     "(non_streaming_mode is true): set non_streaming_mode to false."),
 ])
 def test_bad_requests_get_json_errors(api, body, status, message):
     client, _ = api
@@ -197,6 +207,35 @@ def test_bad_requests_get_json_errors(api, body, status, message):
     assert response.status_code == status
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in response.text.split("\n\n") if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("task", ["CustomVoice", "Base"])
+def test_word_timestamps_come_before_the_end_of_an_sse_stream(api, task, reference_wav):
+    """Where the text is fed one token per frame, an SSE stream's words are those the library times for
+    the same text (pipeline.word_timings), in order, within the audio."""
+    client, service = api
+    text = "Hello there, tiny model. It's 12345 o'clock."
+    body = {"input": text, "task_type": task, "stream_format": "sse", "word_timestamps": True, "seed": 5, "max_new_tokens": 40}
+    body |= {"voice": "ryan", "non_streaming_mode": False} if task == "CustomVoice" else {"ref_audio": b64(reference_wav.read_bytes()), "ref_text": REF_TEXT}
+    response = client.post("/v1/audio/speech", json=body)
+    assert response.status_code == 200, response.text
+    events = sse_events(response)
+    assert [e["type"] for e in events[-2:]] == ["speech.audio.words", "speech.audio.done"]
+    audio_s = sum(len(base64.b64decode(e["audio"])) // 2 for e in events if e["type"] == "speech.audio.delta") / 24000
+    words = events[-2]["words"]
+    tts = service.model("custom_voice" if task == "CustomVoice" else "base", TINY)
+    voice = tts.create_voice_prompt(str(reference_wav), REF_TEXT) if task == "Base" else None
+    tokens = IncrementalTokenizer(tts.text_tokenizer)
+    tokens.feed(text)
+    tokens.finish()
+    timed = [w.as_dict() for w in word_times(text, tokens.tokens, tts.text_layout(voice)) if w.start < audio_s]
+    assert words == [{**w, "end": min(w["end"], round(audio_s, 3))} for w in timed] and words
+    assert all(0 <= w["start"] < w["end"] <= audio_s for w in words)
+    assert all(a["start"] <= b["start"] and a["end"] <= b["end"] for a, b in zip(words, words[1:]))
 
 
 def test_a_body_that_is_not_json(api):

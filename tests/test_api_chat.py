@@ -31,7 +31,7 @@ def served(tiny_omni, tmp_path_factory):
 
     service = ModelService({"omni": (str(tiny_omni),)}, tiny_dir=tmp_path_factory.mktemp("tiny-root"))
     service.model("omni")
-    demo = build_demo(service, Sessions(tmp_path_factory.mktemp("listening"), service.model))
+    demo = build_demo(service, Sessions(tmp_path_factory.mktemp("listening"), service))
     demo.queue(default_concurrency_limit=None)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options(service))

@@ -11,9 +11,10 @@ import pytest
 import soundfile as sf
 from conftest import voice_like
 
+from pipeline.contract.models import parse_models
 from pipeline.engine import Chunk
 from pipeline.errors import TTSInputError
-from pipeline.service import TINY, ModelService, SpeechRequest, StreamEnd, check_reference_upload, parse_models
+from pipeline.service import TINY, ModelService, SpeechRequest, StreamEnd, check_reference_upload
 from ui import controls
 from ui.app import build_demo
 

@@ -19,6 +19,7 @@ from browser import (
     click_generate,
     generate,
     open_tab,
+    player_stats,
     report,
     seed_field,
     set_max_seconds,
@@ -246,3 +247,19 @@ def test_the_table_and_the_strip_fit_a_phone_screen(browser, app_url):
             assert box["x"] >= 0 and box["x"] + box["width"] <= width, (part, box, width)
     finally:
         page.close()
+
+
+def test_the_word_being_spoken_is_highlighted_where_the_text_is_fed_token_by_token(page):
+    """Custom voice puts the whole text in the prompt by default, which times no words: the box says how
+    to get them. With the text fed one token per frame, the word being spoken lights up and moves on
+    while the audio plays."""
+    open_tab(page, "custom", max_seconds=4)
+    assert "Text layout" in page.locator("#custom-live").inner_text()
+    page.locator("#custom-non-streaming-mode").get_by_label("One token per frame").check()
+    text = page.locator("#custom-text textarea").input_value()
+    click_generate(page, "custom", (player_stats(page, "custom") or {}).get("run"))
+    spoken = page.wait_for_function("() => { const s = document.querySelector('#custom-live .speech-token.speaking'); "
+                                    "return s && [s.textContent, +s.dataset.first]; }").json_value()
+    later = page.wait_for_function("(first) => { const s = document.querySelector('#custom-live .speech-token.speaking'); "
+                                   "return s && +s.dataset.first > first && [s.textContent, +s.dataset.first]; }", arg=spoken[1]).json_value()
+    assert spoken[0] in text.split() and later[0] in text.split()

@@ -1,4 +1,5 @@
 """The command-line contract: `python -m pipeline synth` for every mode, `make-tiny`, and one clear error per bad input."""
+import json
 import os
 import subprocess
 import sys
@@ -119,6 +120,33 @@ def test_instruction_on_a_checkpoint_that_ignores_it_warns(capsys, synth_args, r
     code = main(synth_args("base", "--text", "Hi.", "--ref-audio", str(reference_wav), "--x-vector-only", "--instruct", "Whisper."))
     err = capsys.readouterr().err
     assert code == 0 and "ignores instructions; the instruction was not used" in err
+
+
+def test_timings_out_writes_the_words_the_library_times(tiny_checkpoints, reference_wav, tmp_path):
+    """Base feeds the text one token per frame by default: the file holds the words of
+    `TTS.synthesize(..., word_timestamps=True)`, in order and within the audio."""
+    out, timings = tmp_path / "out.wav", tmp_path / "words.json"
+    text = "Hello there, tiny model. It's 12345 o'clock."
+    result = run_cli("synth", "--model", str(tiny_checkpoints["base"]), "--text", text, "--ref-audio", str(reference_wav), "--ref-text", "Speak slowly.",
+                     "--greedy", "--max-frames", "30", "--out", str(out), "--timings-out", str(timings))
+    assert result.returncode == 0, result.stderr
+    words = json.loads(timings.read_text())
+    tts = TTS.from_pretrained(str(tiny_checkpoints["base"]))
+    voice = tts.create_voice_prompt(str(reference_wav), "Speak slowly.")
+    expected = tts.synthesize(SpeechRequest(text, greedy=True, max_frames=30, word_timestamps=True), voice)
+    assert words == [w.as_dict() for w in expected.words] and words
+    audio_s = len(sf.read(out)[0]) / 24000
+    assert all(0 <= w["start"] < w["end"] <= audio_s for w in words)
+    assert [w["word"] for w in words] == text.split()[:len(words)]
+
+
+def test_timings_out_needs_the_streaming_text_layout_and_a_json_file(capsys, synth_args, tmp_path):
+    code, err = cli_error(capsys, *synth_args("custom_voice", "--text", "Hi.", "--speaker", "ryan", "--timings-out", str(tmp_path / "w.json")))
+    assert code == EXIT_BAD_INPUT and "Word timestamps need the text fed one token per frame" in err and "set non_streaming_mode to false" in err
+    code = main(synth_args("custom_voice", "--text", "Hi.", "--speaker", "ryan", "--no-non-streaming-mode", "--timings-out", str(tmp_path / "w.json")))
+    assert code == 0 and json.loads((tmp_path / "w.json").read_text())
+    code, err = cli_error(capsys, *synth_args("custom_voice", "--text", "Hi.", "--speaker", "ryan", "--timings-out", str(tmp_path / "w.txt")))
+    assert code == EXIT_BAD_INPUT and "Cannot write word timings to" in err and "ending in .json" in err
 
 
 def test_speaker_on_base_and_reference_audio_on_custom_voice(capsys, synth_args, reference_wav):

@@ -44,3 +44,37 @@ def test_the_contract_loads_without_torch_or_gradio():
     code = "import sys, pipeline.contract; print(sorted(m for m in ('torch', 'gradio') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_every_front_door_takes_the_request_fields_of_the_schema():
+    """The CLI's flags, the API's body fields, the listening settings and the engine's sampling come from
+    pipeline.request's one description of the request."""
+    import argparse
+    import dataclasses
+
+    from pipeline.__main__ import build_parser
+    from pipeline.engine.sampling import SamplingConfig
+    from pipeline.listening.session import SETTING_KEYS
+    from pipeline.request import REQUEST_FIELDS, api_fields, fields_of, shipped
+    from pipeline.server.speech import FIELDS
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    flags = {flag for action in commands.choices["synth"]._actions for flag in action.option_strings}
+    assert {f"--{name.replace('_', '-')}" for name, spec in REQUEST_FIELDS.items() if spec.cli} <= flags
+    assert {body for _, body in api_fields()} <= FIELDS and {"input", "voice", "instructions", "max_new_tokens", "non_streaming_mode"} <= FIELDS
+    sampling = fields_of("sampling")
+    assert set(sampling) <= set(SETTING_KEYS) and {"schedule", "max_frames", "non_streaming_mode", "language"} <= set(SETTING_KEYS)
+    defaults = SamplingConfig()
+    assert set(sampling) <= {f.name for f in dataclasses.fields(SamplingConfig)}
+    assert all(getattr(defaults, name) == shipped(name) for name in sampling)
+
+
+def test_each_model_type_is_named_once_for_every_surface():
+    from pipeline.contract.models import BASE, CUSTOM_VOICE, MODEL_TYPES, OMNI, VOICE_DESIGN, by_name, by_task, by_vllm_name
+
+    for kind in MODEL_TYPES.values():
+        assert by_name(kind.name) is by_name(kind.id.upper()) is by_task(kind.task_type) is kind
+        assert all(by_vllm_name(checkpoint) is kind for checkpoint in kind.hub_checkpoints)
+    assert by_name("voice_clone") is BASE and by_name("speech") is None and by_task("Talking") is None
+    assert by_vllm_name("/models/qwen3-tts-custom_voice/") is CUSTOM_VOICE and by_vllm_name("my-voice.design") is VOICE_DESIGN
+    assert by_vllm_name("Qwen3-Omni-30B-A3B-Instruct") is OMNI and by_vllm_name("Qwen/Qwen3-TTS-Tokenizer-12Hz") is None

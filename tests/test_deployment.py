@@ -17,7 +17,7 @@ from packaging.version import Version
 
 import app
 from pipeline import __main__ as cli
-from pipeline.service import TYPE_NAMES, parse_models
+from pipeline.contract.models import MODEL_TYPES, parse_models
 from pipeline.tiny import write_tiny_checkpoint
 from ui import controls
 from ui.errors import input_error
@@ -143,7 +143,7 @@ def test_every_cli_option_says_what_it_does_and_its_default():
 
 
 def test_the_models_types_are_named_alike_in_the_help_the_readme_and_the_parser():
-    short = list(TYPE_NAMES.values())
+    short = [t.name for t in MODEL_TYPES.values()]
     assert short == ["clone", "custom", "design", "omni"]
     (models,) = [a for a in app.build_parser()._actions if a.dest == "models"]
     assert f"TYPE is {', '.join(short)} " in models.help

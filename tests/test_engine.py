@@ -1,6 +1,8 @@
 """The batched engine on CPU: batched results equal solo results (greedy and seeded sampling, mixed
 modes and prompt lengths, requests joining mid-stream and others cancelled), text that arrives
-while speaking, FIFO admission with a bounded queue, and Stop within a frame."""
+while speaking, FIFO admission with a bounded queue, and Stop within a frame. Where a test needs the
+engine to have had the chance to do something (and not done it), it waits for the engine's loop to
+run more frames, never for a time (the policy itself is tested frame by frame in test_scheduler.py)."""
 import dataclasses
 import threading
 import time
@@ -16,6 +18,26 @@ from pipeline.tts import SAMPLES_PER_FRAME, TTS
 
 ROWS = 3
 HANG_GUARD_S = 600  # ends a wait for something that never comes; no wait decides pass or fail by its duration
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def run_frames(engine, frames: int = 3) -> None:
+    """Return once the engine's loop has launched `frames` more decode steps (and so read at least
+    `frames - 1` of them): a row that could make a frame has made one by then."""
+    target = engine.iteration + frames
+    wait_until(lambda: engine.iteration >= target, "the engine's loop stopped running frames")
+
+
+def frames_made(engine, handle) -> int:
+    """The frames the engine has made for `handle`'s request so far (0 before it has a row)."""
+    row = engine.scheduler.row_of(handle)
+    return 0 if row is None else engine.slots[row].total
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +139,10 @@ def test_text_given_token_by_token_with_waits_equals_text_given_at_once(models, 
     handle = tts.engine.submit(streamed_job)
     events = handle.events()
     for n in range(1, len(text)):
-        deadline = time.monotonic() + 10
-        while len(handle.codes) < n and time.monotonic() < deadline:
+        while len(handle.codes) < n:
             next(events)  # the row speaks as far as its text goes ...
-        time.sleep(0.05)
-        assert len(handle.codes) <= n  # ... and then waits: no frame without its text
+        run_frames(tts.engine)
+        assert frames_made(tts.engine, handle) == n  # ... and then waits: no frame without its text
         handle.append_text(text[n : n + 1], end=n == len(text) - 1)
     list(events)
     assert torch.equal(handle.codes, expected)
@@ -138,8 +159,9 @@ def test_prompt_given_in_two_parts_equals_the_whole_prompt(models, awaits):
     segment = job.segments[0]
     prefix, rest = segment.prompt[:, :-awaits], segment.prompt[:, -awaits:]
     handle = tts.engine.submit(dataclasses.replace(job, segments=[dataclasses.replace(segment, prompt=prefix, awaits=awaits)]))
-    time.sleep(0.3)  # admitted and prefilled, waiting
-    assert len(handle.codes) == 0 and handle._items.empty()
+    wait_until(lambda: tts.engine.scheduler.row_of(handle) is not None, "the request never got a row")
+    run_frames(tts.engine)  # admitted and prefilled, waiting
+    assert frames_made(tts.engine, handle) == 0 and handle._items.empty()
     with pytest.raises(ValueError, match=f"awaits {awaits} positions, not {awaits + 1}"):
         handle.finish_prompt(segment.prompt[:, -awaits - 1:])
     handle.finish_prompt(rest)
@@ -167,7 +189,9 @@ def test_a_row_waiting_for_text_keeps_its_chunks_and_audio(models, voices, greed
     text = segment.trailing
     handle = tts.engine.submit(dataclasses.replace(job, segments=[dataclasses.replace(segment, trailing=text[:1], text_end=False)]))
     for n in range(1, len(text)):
-        time.sleep(0.02)  # the row runs out of text and waits, at a different frame each time
+        # The row runs out of text and waits, at every frame: each chunk is made across waits.
+        wait_until(lambda n=n: frames_made(tts.engine, handle) == n, "the row did not speak its text")
+        run_frames(tts.engine)
         handle.append_text(text[n : n + 1], end=n == len(text) - 1)
     late = list(handle)
     assert [c.frames for c in late] == [c.frames for c in expected]
@@ -182,15 +206,22 @@ def test_fifo_admission_queue_limit_and_positions(tiny_checkpoints, reference_wa
     held = iter(holder)  # kept: dropping a started iterator closes its request
     next(held)  # admitted and waiting for text: the queue is empty again
     short = SpeechRequest("Next in line.", seed=1, max_frames=3)
-    second, third = tts.submit(short, voice), tts.submit(short, voice)
+    job, _ = tts.prepare(short, voice)
+    segment = job.segments[0]
+    streamed = dataclasses.replace(job, segments=[dataclasses.replace(segment, trailing=segment.trailing[:1], text_end=False)])
+    second = tts.engine.submit(streamed)
+    second.append_text(segment.trailing[1:], end=True)  # while it waits: the engine's copy of its job gets the text
+    assert len(streamed.segments[0].trailing) == 1 and not streamed.segments[0].text_end  # the caller's job is as it was
+    third = tts.submit(short, voice)
     with pytest.raises(EngineBusy, match="2 requests ahead; try again shortly"):
         tts.submit(short, voice)
     finished = []
     threads = [threading.Thread(target=lambda h=h, i=i: (list(h), finished.append(i))) for i, h in ((2, second), (3, third))]
     for t in threads:
         t.start()
-    time.sleep(0.3)
-    assert finished == [] and len(holder.codes) == 1  # nothing overtakes the row that holds the engine
+    run_frames(tts.engine)
+    # Nothing overtakes the row that holds the engine.
+    assert finished == [] and len(tts.engine.waiting) == 2 and frames_made(tts.engine, holder) == 1
     holder.close()
     for t in threads:
         t.join(HANG_GUARD_S)
@@ -217,7 +248,7 @@ def test_stop_frees_the_row_before_close_returns(models):
     handle.close()
     assert handle.stopped and not any(tts.engine.slots)
     frames = len(handle.codes)
-    time.sleep(0.2)
+    list(chunks)  # to the stream's end marker, which follows every chunk the engine made for it
     assert len(handle.codes) == frames
 
 
@@ -242,16 +273,6 @@ def test_streamed_audio_equals_offline_decode_for_any_schedule(models):
         audio = np.concatenate([c.audio for c in chunks])
         assert audio.shape == (40 * SAMPLES_PER_FRAME,)
         assert np.abs(audio - tts.decode(handle.codes)).max() <= 1e-5
-
-
-def test_early_and_steady_chunks_have_lanes_of_their_own():
-    """Two rows' first chunks vocode side by side, and so do their steady chunks, in other lanes."""
-    from pipeline.engine.core import EARLY_CHUNKS, vocoder_lane
-
-    assert [vocoder_lane(row, 0, 4) for row in range(4)] == [0, 1, 0, 1]
-    assert [vocoder_lane(row, EARLY_CHUNKS, 4) for row in range(4)] == [2, 3, 2, 3]
-    assert [vocoder_lane(row, chunk, 3) for row in range(2) for chunk in (0, EARLY_CHUNKS)] == [0, 2, 1, 2]
-    assert {vocoder_lane(row, chunk, 1) for row in range(3) for chunk in range(6)} == {0}
 
 
 def test_vocoder_lanes_change_nothing_in_the_audio(tiny_checkpoints, models):

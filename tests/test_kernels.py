@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from pipeline.engine.decoder import BatchDecoder  # noqa: E402
+from pipeline.engine.decoder import BatchDecoder, DecodeConfig  # noqa: E402
 from pipeline.kernels import fused_decode, fused_decode_logits, fused_supported  # noqa: E402
 from pipeline.kernels.config import KernelConfig  # noqa: E402
 from pipeline.kernels.sampling import _exponential_noise  # noqa: E402
@@ -490,7 +490,7 @@ def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(tiny_checkpoints):
     hidden = model.talker.config.hidden_size
     generator = torch.Generator().manual_seed(8)
     pad, prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((hidden,), (1, 5, hidden), (1, hidden)))
-    decoders = [BatchDecoder(talker, pad, ROWS, 64, use_cuda_graphs=False, fused=fused, frame_kernels=fused)
+    decoders = [BatchDecoder(talker, pad, DecodeConfig.for_talker(talker, ROWS, 64, graphs=False, fused=fused, frame_kernels=fused))
                 for talker, fused in zip(talkers, (False, True))]
     assert not decoders[0].fused and decoders[1].frame_kernels and decoders[1].block_sizes == [1, 2, ROWS] and decoders[0].block_sizes == [ROWS]
     sampled = SamplingConfig(top_k=20, top_p=0.9)
@@ -578,7 +578,7 @@ def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoin
 
     talker = random_talker(tiny_checkpoints["custom_voice"], None)
     pad = torch.zeros(talker.config.hidden_size, device=DEVICE)
-    decoder = BatchDecoder(talker, pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True)
+    decoder = BatchDecoder(talker, pad, DecodeConfig.for_talker(talker, 2, 32, graphs=False, fused=True, frame_kernels=True))
     project = talker.code_predictor.small_to_mtp_projection
     tables = decoder.code_tables
     assert isinstance(project, torch.nn.Linear) and decoder.next_tables.shape == (tables.shape[0], project.out_features)
@@ -589,7 +589,8 @@ def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoin
         projected = torch.empty(1, place + 1, project.out_features, device=DEVICE)
         fused_linear(talker.code_predictor.model, project, alone, projected, CONFIG)
         assert torch.equal(decoder.next_tables[row], projected[0, place]), row
-    wide = BatchDecoder(random_talker(tiny_checkpoints["custom_voice"], 64), pad, 2, 32, use_cuda_graphs=False, fused=True, frame_kernels=True)
+    wider = random_talker(tiny_checkpoints["custom_voice"], 64)
+    wide = BatchDecoder(wider, pad, DecodeConfig.for_talker(wider, 2, 32, graphs=False, fused=True, frame_kernels=True))
     assert wide.next_tables is wide.code_tables
 
 

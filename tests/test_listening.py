@@ -361,20 +361,20 @@ def test_render_normalises_caches_and_rerenders_the_same_audio(tiny_checkpoints,
     import pyloudnorm
 
     from pipeline.listening.render import TARGET_LUFS, ClipCache
-    from pipeline.tts import TTS
+    from pipeline.service import ModelService
 
     text = AB.replace("checkpoint: tiny", f"checkpoint: {tiny_checkpoints['custom_voice']}").replace(
         "settings: {temperature: 0.8, schedule: [1, 2]}", "settings: {max_frames: 15}").replace("test: ab", "test: mushra\nreference: human")
     session = load_session(write(recordings, text.replace("trials_per_listener: 6\n", "")))
-    loaded = {}
+    service = ModelService({"custom_voice": (str(tiny_checkpoints["custom_voice"]),)})
 
-    def model_for(model_type, checkpoint):
-        loaded[checkpoint] = loaded.get(checkpoint) or TTS.from_pretrained(checkpoint)
-        return loaded[checkpoint]
+    class NothingToRender:
+        def stream(self, request, key=""):
+            pytest.fail("a cached clip was rendered again")
 
     cache = ClipCache(recordings / "clips")
     steps = []
-    clips = cache.render(session, model_for, progress=lambda done, total: steps.append((done, total)))
+    clips = cache.render(session, service, progress=lambda done, total: steps.append((done, total)))
     assert len(clips) == 4 * 2 and steps[-1] == (8, 8) and cache.missing(session) == []
     meter = pyloudnorm.Meter(24000)
     for clip in clips:
@@ -383,9 +383,9 @@ def test_render_normalises_caches_and_rerenders_the_same_audio(tiny_checkpoints,
     engine_clip = next(c for c in clips if c.system == "engine")
     first, _ = sf.read(engine_clip.path, dtype="float32")
     assert len(first) == 15 * 1920
-    assert cache.render(session, lambda *a: pytest.fail("a cached clip was rendered again")) == clips
+    assert cache.render(session, NothingToRender()) == clips
     engine_clip.path.unlink()
-    cache.render(session, model_for)
+    cache.render(session, service)
     again, _ = sf.read(engine_clip.path, dtype="float32")
     assert np.abs(again - first).max() <= 1e-6  # the engine's determinism: the same clip again
     anchor, _ = sf.read(next(c for c in clips if c.system == ANCHOR and c.item == "one").path, dtype="float32")
@@ -434,7 +434,7 @@ def tiny_app_sessions(tiny_checkpoints, tmp_path):
     from pipeline.service import ModelService
 
     service = ModelService(tiny=True, tiny_dir=Path(tiny_checkpoints["base"]).parent)
-    return Sessions(tmp_path / "sessions", service.model)
+    return Sessions(tmp_path / "sessions", service)
 
 
 def test_the_sample_session_passes_check_and_save_and_renders_under_the_tiny_app(tiny_app_sessions):

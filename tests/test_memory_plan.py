@@ -140,18 +140,50 @@ def test_the_app_stops_at_start_with_exit_code_2_when_the_rows_do_not_fit(tiny_c
     assert app.local_service(args, parser, free_memory=free).rows == 3  # they fit: the app starts
 
 
-def test_the_three_default_checkpoints_fit_a_24_gb_card_with_the_rows_they_get():
-    """An L4 (the dedicated-GPU Space: 22.5 GiB usable of its 24 GB): the app's default checkpoints of the three
-    TTS tabs, each with the rows it gets without --rows on that card, beside the CUDA context and what the
-    process's first model pays once; with 16 rows each the third would not fit."""
+def test_the_three_default_checkpoints_share_the_card_with_the_rows_they_get():
+    """The app's default checkpoints of the three TTS tabs, each with the rows it gets without --rows on a card
+    (from an L4's 22.5 GiB up), fit that card together beside the CUDA context and what the process's first
+    model pays once, and with one row more each they would not, below the cap of 64 rows."""
     from pipeline.service import HUB_CHECKPOINTS
 
-    l4 = int(22.5 * memory_plan.GIB)
-    plans = {plan.name: plan for plan in memory_plan.table_plans()}
-    defaults = [plans[memory_plan.checkpoint_name(HUB_CHECKPOINTS[kind][0])] for kind in ("base", "custom_voice", "voice_design")]
-    rows = memory_plan.tts_row_cap(l4)
+    plans = memory_plan.shared_tts_plans(torch.bfloat16, DEFAULT_MAX_SEQ)
+    assert [plan.name for plan in plans] == [memory_plan.checkpoint_name(HUB_CHECKPOINTS[kind][0]) for kind in ("base", "custom_voice", "voice_design")]
     fixed = memory_plan.CUDA_CONTEXT_BYTES + memory_plan.PROCESS_RESERVE_BYTES
-    assert rows == 8
-    assert fixed + sum(plan.needed(rows) for plan in defaults) <= l4
-    assert fixed + sum(plan.needed(16) for plan in defaults) > l4
-    assert memory_plan.tts_row_cap(80 * memory_plan.GIB) == 16
+    for card_gib in (22.5, 24, 40, 48, 80, 141):
+        card = int(card_gib * GIB)
+        rows = memory_plan.tts_row_cap(card, torch.bfloat16, DEFAULT_MAX_SEQ)
+        assert fixed + sum(plan.needed(rows) for plan in plans) <= card, card_gib
+        assert rows == memory_plan.TTS_MOST_ROWS or fixed + sum(plan.needed(rows + 1) for plan in plans) > card, card_gib
+    assert memory_plan.tts_row_cap(int(22.5 * GIB), torch.bfloat16, DEFAULT_MAX_SEQ) > 8  # more than a fixed 8 on an L4
+    assert memory_plan.tts_row_cap(80 * GIB, torch.bfloat16, DEFAULT_MAX_SEQ) == 64
+
+
+def test_a_card_too_small_to_share_still_gives_each_model_up_to_8_rows():
+    """Where the three default checkpoints cannot share the card with 8 rows each, the cap stays at 8: each model
+    gets what its free memory holds up to that (fewer rows would not make the three fit)."""
+    plans = memory_plan.shared_tts_plans(torch.bfloat16, DEFAULT_MAX_SEQ)
+    card = 16 * GIB
+    assert memory_plan.CUDA_CONTEXT_BYTES + memory_plan.PROCESS_RESERVE_BYTES + sum(plan.needed(8) for plan in plans) > card
+    assert memory_plan.tts_row_cap(card, torch.bfloat16, DEFAULT_MAX_SEQ) == memory_plan.TTS_LEAST_CAP == 8
+    assert memory_plan.tts_row_cap(int(2 * GIB), torch.bfloat16, DEFAULT_MAX_SEQ) == 8
+
+
+def test_a_cuda_engine_gets_the_cap_of_its_card_or_the_rows_asked_for(tiny_checkpoints, monkeypatch):
+    """Planned on CUDA (the card's size as the driver reports it): without --rows the cap of the card
+    where the free memory holds more, with --rows those rows where they fit, beyond the cap too."""
+    import types
+
+    from pipeline.tts import planned_rows
+
+    custom = Path(tiny_checkpoints["custom_voice"])
+    cuda, plenty = torch.device("cuda"), plan_of(custom, torch.bfloat16).needed(200)
+
+    def rows_on(card: int, options: dict) -> int:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=card))
+        return planned_rows(custom, custom.name, cuda, torch.bfloat16, plenty, {"fused": False, **options})
+
+    assert rows_on(80 * GIB, {}) == 64
+    assert rows_on(int(22.5 * GIB), {}) == memory_plan.tts_row_cap(int(22.5 * GIB), torch.bfloat16, DEFAULT_MAX_SEQ)
+    assert rows_on(80 * GIB, {"rows": 100}) == 100
+    with pytest.raises(NotEnoughMemory, match=r"^--rows 201 needs about .* at most 200 rows fit\.$"):
+        rows_on(80 * GIB, {"rows": 201})

@@ -94,10 +94,10 @@ def _hf_codes(reference, prompt: torch.Tensor, trailing: torch.Tensor, pad: torc
 
 def _our_codes(ours, prompt: torch.Tensor, trailing: torch.Tensor, pad: torch.Tensor, frames: int, text_at_once: bool) -> torch.Tensor:
     """Our batched decode step in row 1 of 2, the row's text given at once or one entry per frame (with a wait)."""
-    from pipeline.engine.decoder import BatchDecoder
+    from pipeline.engine.decoder import BatchDecoder, DecodeConfig
     from pipeline.engine.sampling import SamplingConfig
 
-    decoder = BatchDecoder(ours, pad, rows=2, max_seq=64, use_cuda_graphs=False, min_new_tokens=0)
+    decoder = BatchDecoder(ours, pad, DecodeConfig.for_talker(ours, rows=2, max_seq=64, graphs=False, min_new_tokens=0))
     fed = len(trailing) if text_at_once else 1
     decoder.start(1, prompt[None], trailing[:fed], text_at_once, SamplingConfig(repetition_penalty=1.05).greedy(), 0, frames)
     codes = []

@@ -34,6 +34,7 @@ KEY = "s3cret"
 SPEECH = "Hello there, this is a test of the streaming demo."
 SHORT = (0.9, 50, 1.0, 1.05, 7, "1, 2, 4, 8, 16", 2)  # sampling, seed 7, schedule, 2 s max
 LONG = (0.9, 50, 1.0, 1.05, 7, "1", 160)  # one frame per chunk, up to 160 s: runs until stopped
+ROOT = Path(__file__).resolve().parent.parent
 HANG_GUARD_S = 600  # ends a wait for something that never comes; no wait decides pass or fail by its duration
 
 
@@ -551,3 +552,21 @@ def test_a_backend_that_stalls_after_its_audio_started_is_named(kind):
                 "(the limit once audio has started: 2 times its slowest chunk so far, at least 0.5 s)") in str(failure.value)
     finally:
         backend.close()
+
+
+def test_a_ui_over_a_backend_runs_without_torch(backend):
+    """`app.py --backend URL`'s own path: the service from the backend, the whole page built (every tab,
+    Omni's included), the launch options; nothing of it imports torch, the engine or Triton."""
+    remote, _ = backend
+    code = (
+        "import sys, app\n"
+        f"args = app.build_parser().parse_args(['--backend', {remote.url!r}])\n"
+        "service = app.remote_service(args, app.build_parser())\n"
+        "from ui.app import build_demo, launch_options\n"
+        "build_demo(service)\n"
+        "launch_options(None)\n"
+        "print(sorted(service.choices), sorted(m for m in ('torch', 'triton', 'pipeline.engine', 'pipeline.service') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_GUARD_S)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['base', 'custom_voice', 'omni', 'voice_design'] []"

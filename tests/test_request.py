@@ -38,6 +38,9 @@ BAD_FIELDS = [
     (dict(text="   "), "The text is empty"),
     (dict(text=5), "The text must be a string, not int"),
     (dict(speaker=3), "speaker must be text, not int"),
+    (dict(word_timestamps="yes"), "word_timestamps is true or false, not 'yes'"),
+    (dict(model_type="custom_voice", word_timestamps=True), r"Word timestamps need the text fed one token per frame.*\(CustomVoice puts it there by default\)"),
+    (dict(model_type="base", word_timestamps=True, non_streaming_mode=True), r"\(non_streaming_mode is true\): set non_streaming_mode to false"),
 ]
 
 
@@ -50,6 +53,14 @@ def test_each_bad_field_has_its_sentence(fields, message):
 def test_good_values_pass_and_are_normalised():
     request = SpeechRequest("Hello.", seed=7.0, top_k=0, top_p=1.0, temperature=1e-3, schedule="2, 4").validate()
     assert request.seed == 7 and isinstance(request.seed, int) and request.schedule == (2, 4)
+
+
+def test_word_timestamps_go_with_the_streaming_text_layout():
+    assert SpeechRequest("Hi.", model_type="base", word_timestamps=True).validate().streams_text("base")  # Base's default layout
+    assert SpeechRequest("Hi.", model_type="voice_design", instruct="Calm.", word_timestamps=True, non_streaming_mode=False).validate()
+    unnamed = SpeechRequest("Hi.", instruct="Calm.", word_timestamps=True).validate()  # checked against the checkpoint's type instead
+    with pytest.raises(TTSInputError, match="VoiceDesign puts it there by default"):
+        unnamed.check_for_checkpoint("voice_design", 100)
 
 
 def test_json_requests_name_unknown_fields():

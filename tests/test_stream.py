@@ -124,3 +124,20 @@ def test_text_at_the_length_limit_without_punctuation_streams(design):
     job, _ = design.prepare(SpeechRequest(text, instruct="Calm.", max_frames=3))
     assert len(job.segments) == len(split_text(text)) > 10
     assert sum(c.frames for c in design.engine.submit(job)) == 3
+
+
+@pytest.mark.parametrize("model", ["design", "base"])
+def test_non_streaming_mode_puts_the_text_in_the_prompt_or_feeds_it_frame_by_frame(model, request, reference_wav):
+    """None is the model type's default: the whole text in the prompt for voice design, fed one token
+    per frame for voice cloning (the reference's defaults)."""
+    tts = request.getfixturevalue(model)
+    fields = dict(instruct="Calm.") if model == "design" else dict(ref_audio=str(reference_wav), x_vector_only=True)
+    voice = tts.create_voice_prompt(str(reference_wav), None, True) if model == "base" else None
+
+    def segment(mode):
+        job, _ = tts.prepare(SpeechRequest(TEXT, non_streaming_mode=mode, **fields), voice)
+        return job.segments[0].prompt.shape[1], job.segments[0].trailing.shape[0]
+
+    whole, fed = segment(True), segment(False)
+    assert whole[0] > fed[0] and whole[1] < fed[1]  # the text moves from the trailing feed into the prompt
+    assert segment(None) == (whole if model == "design" else fed)

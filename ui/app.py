@@ -5,9 +5,10 @@ import tempfile
 
 import gradio as gr
 
+from pipeline.contract import Service
+from pipeline.contract.running import MAX_UPLOAD_BYTES
 from pipeline.listening import Sessions
-from pipeline.server import Access, chat_routes, speech_routes
-from pipeline.service import MAX_UPLOAD_BYTES, ModelService
+from pipeline.server import Access
 from ui import controls, custom_voice, listening, omni_chat, voice_clone, voice_design
 from ui.latency import player_head
 from ui.pcm_stream import CHANNELS
@@ -38,8 +39,8 @@ PHONE_CSS = """
 def build_demo(service: controls.Service, sessions: Sessions | None = None) -> gr.Blocks:
     """The page; `sessions`: the listening sessions' folder and votes (a temporary one if None). A tab
     whose model type the service does not serve (a remote backend serves what it serves) is left out."""
-    sessions = sessions or Sessions(tempfile.mkdtemp(prefix="listening-"), service.model)
-    modules = [m for m in (voice_clone, custom_voice, voice_design, omni_chat) if service.choices.get(m.MODEL_TYPE)]
+    sessions = sessions or Sessions(tempfile.mkdtemp(prefix="listening-"), service)
+    modules = [m for m in (voice_clone, custom_voice, voice_design, omni_chat) if service.choices.get(m.TYPE.id)]
     with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:
         banner = gr.Markdown(controls.banner_markdown(service), visible=bool(controls.banner_markdown(service)), elem_id="banner")
         gr.Markdown(INTRO)
@@ -58,11 +59,15 @@ def build_demo(service: controls.Service, sessions: Sessions | None = None) -> g
     return demo
 
 
-def launch_options(service: ModelService | None = None, access: Access | None = None) -> dict:
+def launch_options(service: Service | None = None, access: Access | None = None) -> dict:
     """What `Blocks.launch` needs besides host and port: the player script, styling, upload limit,
     and the routes beside Gradio's (the PCM stream; the speech and chat API when `service`, local models, is given)."""
     access = access or Access()  # one for both: a client's requests in flight are counted over all routes
-    api = [*speech_routes(service, access), *chat_routes(service, access)] if service is not None else []
+    api = []
+    if service is not None:  # the API's routes import the local models' service (torch): only where there is one
+        from pipeline.server import chat_routes, speech_routes, stream_routes
+
+        api = [*speech_routes(service, access), *chat_routes(service, access), *stream_routes(service, access)]
     return {
         "head": f"{player_head()}<style>{PHONE_CSS}</style>",
         "css": CSS,

@@ -3,36 +3,43 @@ accordion, Generate / Stop, and the one generation handler they all feed."""
 from __future__ import annotations
 
 import contextvars
+import dataclasses
+import inspect
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import gradio as gr
 
 from pipeline.contract import Service
+from pipeline.contract.events import DEFAULT_SCHEDULE, FRAMES_PER_SECOND, TINY, ModelInfo, StreamStart
+from pipeline.contract.models import MODEL_TYPES, ModelType
+from pipeline.errors import TTSInputError
 from pipeline.remote import RemoteService
-from pipeline.request import MAX_SEED
-from pipeline.service import DEFAULT_SCHEDULE, TINY, TYPE_NAMES, ModelInfo, ModelService, SpeechRequest, StreamStart, TTSInputError
+from pipeline.request import MAX_SEED, REQUEST_FIELDS, SpeechRequest
 from ui.errors import input_error, warn
 from ui.latency import LatencyPanel, checkpoint_label
 
-DEFAULTS = ModelService.sampling_defaults()  # the reference's defaults, which the official checkpoints ship
 MAX_TEXT_LINES = 8
 LOAD_POLL_S = 0.5  # how often a loading tab's status line asks how far the load is
-FRAMES_PER_SECOND = 12.5
+SLIDERS = tuple(name for name, spec in REQUEST_FIELDS.items() if spec.slider is not None)  # the request fields the Advanced accordion sets
+CHOICES = tuple(name for name, spec in REQUEST_FIELDS.items() if spec.choice is not None)  # ... with a choice of options each
 MAX_SECONDS = 160  # the slider's right end, its default: the checkpoint's own limit (2047 frames, 164 s, for the released ones;
 # 100 frames, 8 s, for the tiny random ones, whose noise nobody wants for minutes)
 
 
 @dataclass
 class Advanced:
-    temperature: gr.Slider
-    top_k: gr.Slider
-    top_p: gr.Slider
-    repetition_penalty: gr.Slider
+    """The Advanced accordion: a slider per request field whose spec has one (pipeline.request), starting
+    at the value the official checkpoints ship, and a choice per field whose spec has one; the seed,
+    the chunk schedule and the length. The choices are the Generate event's last inputs, after the run
+    id, so that an API client that leaves them out gets their defaults."""
+
+    sliders: dict[str, gr.Slider]  # request field -> its slider
+    choices: dict[str, gr.Radio]  # request field -> its options
     seed: gr.Textbox
     schedule: gr.Textbox
     max_seconds: gr.Slider
@@ -41,10 +48,9 @@ class Advanced:
     def create(cls, name: str) -> "Advanced":
         with gr.Accordion("Advanced", open=False, elem_id=f"{name}-advanced"):
             with gr.Row():
-                temperature = gr.Slider(0.1, 1.5, value=DEFAULTS.temperature, step=0.05, label="Temperature")
-                top_k = gr.Slider(1, 200, value=DEFAULTS.top_k, step=1, label="Top-k")
-                top_p = gr.Slider(0.05, 1.0, value=DEFAULTS.top_p, step=0.05, label="Top-p")
-                repetition_penalty = gr.Slider(1.0, 1.5, value=DEFAULTS.repetition_penalty, step=0.01, label="Repetition penalty")
+                sliders = {field: slider(field) for field in SLIDERS}
+            with gr.Row():
+                choices = {field: choice(name, field) for field in CHOICES}
             with gr.Row():
                 seed = seed_box(name, "Empty: a new random take each time; the seed of each take is shown after Generate.")
                 schedule = gr.Textbox(
@@ -55,11 +61,22 @@ class Advanced:
                 )
                 max_seconds = gr.Slider(1, MAX_SECONDS, value=MAX_SECONDS, step=1, label="Max length (s)", elem_id=f"{name}-max-seconds",
                                         info=f"At {MAX_SECONDS}: the checkpoint's own limit (164 s; 8 s for the tiny random checkpoints).")
-        return cls(temperature, top_k, top_p, repetition_penalty, seed, schedule, max_seconds)
+        return cls(sliders, choices, seed, schedule, max_seconds)
 
     @property
     def inputs(self) -> list[gr.components.Component]:
-        return [self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.seed, self.schedule, self.max_seconds]
+        """The inputs before the run id (`choices` follow it)."""
+        return [*self.sliders.values(), self.seed, self.schedule, self.max_seconds]
+
+    @property
+    def names(self) -> list[str]:
+        """What each of `inputs` is: its request field, or seed, schedule and max_seconds."""
+        return [*self.sliders, "seed", "schedule", "max_seconds"]
+
+
+def slider(name: str) -> gr.Slider:
+    spec = REQUEST_FIELDS[name]
+    return gr.Slider(spec.slider.low, spec.slider.high, value=spec.shipped, step=spec.slider.step, label=spec.slider.label)
 
 
 @dataclass
@@ -86,20 +103,28 @@ def seed_box(name: str, info: str) -> gr.Textbox:
     return gr.Textbox("", label="Seed", placeholder="random", max_lines=1, info=info, elem_id=f"{name}-seed")
 
 
-def sampling_fields(
-    temperature: float, top_k: float, top_p: float, penalty: float, seed: str | float | None, schedule: str, max_seconds: float
-) -> dict:
-    """The Advanced accordion's values as SpeechRequest fields; the max length's default (its right end)
-    is the checkpoint's own; an empty seed is a new random one (`take_seed`)."""
+def choice(tab: str, name: str) -> gr.Radio:
+    """A field's options by label; the handler gets the index of the one chosen (`sampling_fields`)."""
+    spec = REQUEST_FIELDS[name].choice
+    return gr.Radio([label for label, _ in spec.options], value=spec.options[0][0], type="index", label=spec.label, info=spec.info,
+                    elem_id=f"{tab}-{name.replace('_', '-')}")
+
+
+def sampling_fields(*values) -> dict:
+    """The Advanced accordion's values (in the order of `Advanced.inputs`) as request fields. The max
+    length's default (its right end) is the checkpoint's own; an empty seed is a new random one (`take_seed`)."""
+    *sampling, seed, schedule, max_seconds = values
     return {
+        **dict(zip(SLIDERS, sampling)),
         "max_frames": None if float(max_seconds) >= MAX_SECONDS else max(1, round(float(max_seconds) * FRAMES_PER_SECOND)),
-        "temperature": float(temperature),
-        "top_k": int(top_k),
-        "top_p": float(top_p),
-        "repetition_penalty": float(penalty),
         "seed": take_seed(seed),
         "schedule": schedule or "",
     }
+
+
+def chosen_fields(indices: Sequence[int | None]) -> dict:
+    """The Advanced accordion's choices (option indices, in the order of CHOICES) as request fields."""
+    return {name: REQUEST_FIELDS[name].choice.options[index or 0][1] for name, index in zip(CHOICES, indices)}
 
 
 def take_seed(value: str | float | None) -> int | float:
@@ -188,6 +213,12 @@ def buttons(name: str) -> tuple[gr.Button, gr.Button]:
     return generate, stop
 
 
+def times_words(service: Service) -> bool:
+    """Whether the service can time the words it speaks: this app's engine can, vLLM-Omni has no such
+    field (asking would only warn that it was not applied)."""
+    return not isinstance(service, RemoteService) or service.ours
+
+
 def banner_markdown(service: Service) -> str:
     """The persistent notice shown while any tab serves random weights, or a remote backend; empty otherwise."""
     if isinstance(service, RemoteService):
@@ -204,7 +235,7 @@ def banner_markdown(service: Service) -> str:
         )
     tiny_types = [model_type for model_type, choices in service.choices.items() if choices[0] == TINY]
     if tiny_types:
-        which = "every tab" if len(tiny_types) == len(service.choices) else "the " + ", ".join(TYPE_NAMES.get(t, t) for t in tiny_types) + " tab(s)"
+        which = "every tab" if len(tiny_types) == len(service.choices) else "the " + ", ".join(MODEL_TYPES[t].name for t in tiny_types) + " tab(s)"
         return (
             "### ⚠️ Random weights: the audio is noise\n"
             f"The app serves the built-in tiny random checkpoints in {which} (`--tiny`, or `tiny` in `--models`), "
@@ -272,6 +303,32 @@ def model_loader(service: Service, model_type: str):
         return banner_update(service), status_text(info), language_update(info, current_language), picker_update(service, model_type)
 
     return load
+
+
+def speech_handler(service: Service, panel: LatencyPanel, kind: ModelType, fields: Sequence[str], advanced: Advanced,
+                   tidy: Callable[[dict], dict] | None = None) -> Callable[..., Iterator[dict]]:
+    """The Generate handler of a speech tab of `kind`. Its inputs are the tab's components, which hold
+    the request fields `fields` in that order, then the Advanced values, then the run id, then the
+    Advanced choices; `tidy` may adjust the tab's fields (an imported voice file replaces the reference).
+    Gradio finds the request and progress arguments in a handler's signature, so the signature is
+    written out from the names."""
+    values_end = len(fields) + len(advanced.names)
+
+    def speak(*args) -> Iterator[dict]:
+        own, values, run_id = args[:len(fields)], args[len(fields):values_end], args[values_end]
+        chosen, (request, progress) = args[values_end + 1:-2], args[-2:]
+        tab_fields = dict(zip(fields, own))
+        speech = SpeechRequest(**(tidy(tab_fields) if tidy else tab_fields), **sampling_fields(*values), **chosen_fields(chosen), model_type=kind.id)
+        # Where the text is fed one token per frame, the words are timed and the one being spoken is highlighted.
+        speech = dataclasses.replace(speech, word_timestamps=times_words(service) and speech.streams_text(kind.id))
+        yield from generation(service, panel, speech, run_id, request, progress)
+
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    speak.__signature__ = inspect.Signature([*(inspect.Parameter(name, positional) for name in [*fields, *advanced.names, "run_id", *advanced.choices]),
+                                             inspect.Parameter("request", positional, annotation=gr.Request),
+                                             inspect.Parameter("progress", positional, default=gr.Progress(track_tqdm=True))])
+    speak.__annotations__ = {"request": gr.Request}
+    return speak
 
 
 def generation(
@@ -376,15 +433,17 @@ def wire_buttons(
     stop: gr.Button,
     handler: Callable[..., Iterator[dict]],
     inputs: list[gr.components.Component],
+    advanced: Advanced,
 ) -> None:
     """Generate runs `handler` at once for every visitor: the model's engine batches the utterances and
     queues what does not fit (the panel shows the position); Stop silences the player, stops the
-    stream and frees the engine's row within a frame."""
+    stream and frees the engine's row within a frame. `inputs` end with the Advanced values (`advanced.inputs`)."""
+    choices = list(advanced.choices.values())
     generate.click(
         handler,
-        inputs=inputs + [panel.run_id],
+        inputs=inputs + [panel.run_id] + choices,
         outputs=panel.outputs,
-        js=panel.arm_js(),
+        js=panel.arm_js(after=len(choices)),
         concurrency_limit=None,
         show_progress="hidden",  # the player and the summary show progress; spinners only cost the click time
         api_name=f"{panel.name}_generate",

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import gradio as gr
 
-from pipeline.service import ModelInfo, SpeechRequest
+from pipeline.contract.events import ModelInfo
+from pipeline.contract.models import CUSTOM_VOICE
 from ui import controls
 from ui.latency import LatencyPanel, LiveStrip
 
-NAME = "custom"
-MODEL_TYPE = "custom_voice"
+TYPE = CUSTOM_VOICE
+NAME = TYPE.name
 EXAMPLES = [
     "Good evening, and welcome to the late news. Here are tonight's top stories.",
     "I can't believe it actually worked! We streamed the whole sentence before it was even finished.",
@@ -24,11 +25,11 @@ def instruct_update(info: ModelInfo) -> dict:
 
 
 def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
-    with gr.Tab("Custom voice", id=NAME) as tab:
+    with gr.Tab(TYPE.tab, id=NAME) as tab:
         gr.Markdown("Pick one of the checkpoint's preset speakers; the 1.7B checkpoint also follows a style instruction.")
         with gr.Row():
             with gr.Column():
-                checkpoint = controls.checkpoint_picker(service, MODEL_TYPE, NAME)
+                checkpoint = controls.checkpoint_picker(service, TYPE.id, NAME)
                 model_status = controls.model_status(NAME)
                 # Filled from the checkpoint when it loads; custom values reach the pipeline, which names the valid ones.
                 speaker = gr.Dropdown([], label="Speaker", allow_custom_value=True, elem_id=f"{NAME}-speaker")
@@ -39,23 +40,16 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
                 language = controls.language_picker(NAME)
                 advanced = controls.Advanced.create(NAME)
                 generate, stop = controls.buttons(NAME)
-                strip = LiveStrip.create(NAME)  # under the buttons: a run is seen to start where the click is
+                strip = LiveStrip.create(NAME, words=True)  # under the buttons: a run is seen to start where the click is
         panel = LatencyPanel.create(NAME, strip)
 
     def load(name: str, current_language: str, current_speaker: str | None, progress=gr.Progress(track_tqdm=True)):
-        info = controls.load_checkpoint(service, MODEL_TYPE, name, progress)
+        info = controls.load_checkpoint(service, TYPE.id, name, progress)
         speakers = gr.update(choices=info.speakers, value=controls.keep_or_first(current_speaker, info.speakers))
         return (controls.banner_update(service), controls.status_text(info), controls.language_update(info, current_language), speakers,
-                instruct_update(info), controls.picker_update(service, MODEL_TYPE))
+                instruct_update(info), controls.picker_update(service, TYPE.id))
 
-    def speak(name, speaker_name, instruction, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
-              request: gr.Request, progress=gr.Progress(track_tqdm=True)):
-        speech = SpeechRequest(
-            text, model_type=MODEL_TYPE, checkpoint=name, language=language, speaker=speaker_name, instruct=instruction,
-            **controls.sampling_fields(temperature, top_k, top_p, penalty, seed, schedule, max_seconds),
-        )
-        yield from controls.generation(service, panel, speech, run_id, request, progress)
-
+    speak = controls.speech_handler(service, panel, TYPE, ["checkpoint", "speaker", "instruct", "text", "language"], advanced)
     inputs = [checkpoint, speaker, instruct, text, language, *advanced.inputs]
-    controls.wire_buttons(service, panel, generate, stop, speak, inputs)
+    controls.wire_buttons(service, panel, generate, stop, speak, inputs, advanced)
     return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language, speaker], [banner, model_status, language, speaker, instruct, checkpoint])

@@ -23,7 +23,8 @@ import gradio as gr
 import numpy as np
 import pandas as pd
 
-from pipeline.service import TINY, Chunk, Queued, StreamEnd, StreamStart, TTSInputError
+from pipeline.contract.events import FRAME_SECONDS, TINY, Chunk, Queued, StreamEnd, StreamStart
+from pipeline.errors import TTSInputError
 from ui.errors import input_error, toast_text, warn
 from ui.pcm_stream import CHANNELS, ROUTE, RUN_ID
 
@@ -55,6 +56,7 @@ CSS = """
 .pcm-plot-legend { display: flex; flex-wrap: wrap; gap: 0.25em 1em; font-size: 0.8em; opacity: 0.85; }
 .pcm-plot-legend i { display: inline-block; width: 0.8em; height: 0.8em; border-radius: 50%; margin-right: 0.35em; vertical-align: -0.05em; }
 .pcm-legend { font-size: 0.8em; opacity: 0.75; margin-top: 0.25em; line-height: 1.35; }
+.pcm-words-note { font-size: 0.8em; opacity: 0.75; }
 /* Narrow screens (phones): the table keeps the columns a reader needs (chunk, ms since the request,
    RTF) and drops the per-stage times, which the plot under it shows; the strip's figures wrap. */
 @media (max-width: 600px) {
@@ -75,6 +77,24 @@ def player_html(name: str, idle: str = IDLE_TEXT) -> str:
     """The player's line (ui/player.js writes its status; `idle` until the first run) and the legend of its figures."""
     return (f'<div class="pcm-player"><span class="pcm-status">{idle}</span>'
             f'<div class="pcm-legend" id="{name}-legend">{LEGEND}</div></div>')
+
+
+WORDS_IDLE = ('<div class="pcm-words-note">The word being spoken is highlighted here where the text is fed one token per frame '
+              "(Advanced → Text layout).</div>")
+
+
+def words_html(words: list[dict] | None) -> str:
+    """The spoken words as spans carrying their frames (80 ms each, from the word's start to before its
+    end), which ui/player.js highlights as they play; the note where the run has no word timings.
+    A frame's audio is the frame's own samples (no look-ahead): the lead is 0."""
+    if words is None:
+        return WORDS_IDLE
+    spans = []
+    for word in words:
+        first = round(word["start"] / FRAME_SECONDS)
+        last = max(first, round(word["end"] / FRAME_SECONDS) - 1)
+        spans.append(f'<span class="speech-token" data-first="{first}" data-last="{last}">{html.escape(word["word"])}</span>')
+    return f'<div class="pcm-words" data-lead-s="0">{" ".join(spans)}</div>'
 
 
 def pcm16(audio: np.ndarray) -> np.ndarray:
@@ -194,16 +214,19 @@ class LiveStrip:
     player: gr.HTML
     summary: gr.Markdown
     take: gr.Markdown
+    words: gr.HTML | None = None  # the run's words, the one being spoken highlighted (`words_html`)
 
     @classmethod
-    def create(cls, name: str, idle: str = IDLE_TEXT) -> "LiveStrip":
+    def create(cls, name: str, idle: str = IDLE_TEXT, words: bool = False) -> "LiveStrip":
+        """With `words`, a box of the run's words too (`#NAME-live`, where ui/player.js highlights)."""
         with gr.Column(elem_id=f"{name}-strip"):
             run_id = gr.Textbox(visible=False)
             stopped = gr.JSON(visible=False)
             player = gr.HTML(player_html(name, idle), elem_id=f"{name}-player")
             summary = gr.Markdown("", elem_id=f"{name}-summary", elem_classes=["pcm-summary"])
             take = gr.Markdown("", elem_id=f"{name}-take", elem_classes=["pcm-take"])
-        return cls(run_id, stopped, player, summary, take)
+            box = gr.HTML(WORDS_IDLE, elem_id=f"{name}-live", padding=True) if words else None
+        return cls(run_id, stopped, player, summary, take, box)
 
 
 @dataclass
@@ -252,16 +275,18 @@ class LatencyPanel:
 
     @property
     def outputs(self) -> list[gr.components.Component]:
-        return [self.summary, self.table, self.plot, self.audio, self.take]  # the take last: API clients find the WAV where it was
+        # The take after the WAV, the words last: API clients find the WAV where it was.
+        return [self.summary, self.table, self.plot, self.audio, self.take, *([self.strip.words] if self.strip.words else [])]
 
-    def arm_js(self, pass_interrupted: bool = False) -> str:
+    def arm_js(self, pass_interrupted: bool = False, after: int = 0) -> str:
         """JS of the Generate click: unlock the audio, open the run's PCM stream, and pass the run id
-        as the last input (the stream's request leaves before Gradio's queue join does); with
-        `pass_interrupted`, the id of the run it silences ("" if none) as the input before it."""
+        as the input `after` inputs from the end (the stream's request leaves before Gradio's queue
+        join does); with `pass_interrupted`, the id of the run it silences ("" if none) as the input before it."""
         url = ROUTE.lstrip("/").replace("{run_id}", "")
         player = f"window.qwenTTS.player('{self.name}')"
-        interrupted = f"args[args.length - 2] = {player}.stats ? {player}.stats.run : ''; " if pass_interrupted else ""
-        return f"(...args) => {{ {interrupted}args[args.length - 1] = {player}.arm('{url}'); return args; }}"
+        run = f"args.length - {1 + after}"
+        interrupted = f"args[{run} - 1] = {player}.stats ? {player}.stats.run : ''; " if pass_interrupted else ""
+        return f"(...args) => {{ {interrupted}args[{run}] = {player}.arm('{url}'); return args; }}"
 
     def stop_js(self, report: bool = False) -> str:
         """JS of the Stop click: silence the player and pass the stopped run's id to the server; with
@@ -276,8 +301,11 @@ class LatencyPanel:
         return {self.summary: text, self.take: "" if seed is None else take_text(seed), **self.cleared()}
 
     def cleared(self) -> dict:
-        """The last run's table, plot and WAV cleared."""
-        return {self.table: table_frame([]), self.plot: plot_html([]), self.audio: None}
+        """The last run's table, plot, WAV (and words) cleared."""
+        return {self.table: table_frame([]), self.plot: plot_html([]), self.audio: None, **self._words(None)}
+
+    def _words(self, words: list[dict] | None) -> dict:
+        return {self.strip.words: words_html(words)} if self.strip.words else {}
 
     def stopped_update(self, made: dict | None) -> dict:
         """For a Stop that cancels its run's event (whose own last update then never comes): the summary
@@ -338,6 +366,7 @@ class LatencyPanel:
                     raise item
                 if isinstance(item, StreamEnd):
                     end = item
+                    extra.update(self._words(end.words))  # while the audio still plays in the page
                     continue
                 if isinstance(item, Queued):
                     yield {self.summary: queued_text(item)}

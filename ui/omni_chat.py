@@ -16,15 +16,16 @@ import time
 
 import gradio as gr
 
-from pipeline.service import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, ChatRequest, TextDelta, Turn
+from pipeline.contract.events import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, ChatEnd, TextDelta
+from pipeline.contract.models import OMNI
 from ui import controls
 from ui.errors import toast_text
 from ui.latency import LatencyPanel, LiveStrip, checkpoint_label
 
 log = logging.getLogger("ui")
 
-NAME = "omni"
-MODEL_TYPE = "omni"
+TYPE = OMNI
+NAME = TYPE.name
 EXAMPLES = [
     "Hi! What's a good way to start learning to play the piano?",
     "Tell me a very short bedtime story about a lighthouse.",
@@ -106,7 +107,7 @@ def turn_stats(end: ChatEnd, audio_seconds: float, wall_s: float, seed: int, bac
 
 
 def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
-    with gr.Tab("Omni chat", id=NAME) as tab:
+    with gr.Tab(TYPE.tab, id=NAME) as tab:
         gr.Markdown("Talk with **Qwen3-Omni**: type or speak; the reply streams as text and as speech. "
                     "Sending a new message or pressing Stop while it speaks cuts it off.")
         with gr.Row():
@@ -127,7 +128,7 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
                     with gr.Column(scale=3):
                         gr.Examples([[e] for e in EXAMPLES], inputs=message, label="Example messages")
             with gr.Column(scale=2):
-                checkpoint = controls.checkpoint_picker(service, MODEL_TYPE, NAME)
+                checkpoint = controls.checkpoint_picker(service, TYPE.id, NAME)
                 model_status = controls.model_status(NAME)
                 speaker = gr.Dropdown([DEFAULT_SPEAKER], value=DEFAULT_SPEAKER, label="Voice", allow_custom_value=True, elem_id=f"{NAME}-speaker")
                 system = gr.Textbox(DEFAULT_SYSTEM_PROMPT, label="System prompt", lines=4, elem_id=f"{NAME}-system")
@@ -140,11 +141,11 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
     replying: dict[str, str] = {}  # browser session -> the run whose reply the tab shows; an interrupted one updates nothing more
 
     def load(name: str, current_speaker: str | None, progress=gr.Progress(track_tqdm=True)):
-        info = controls.load_checkpoint(service, MODEL_TYPE, name, progress)
+        info = controls.load_checkpoint(service, TYPE.id, name, progress)
         speakers = gr.update(choices=info.speakers, value=controls.keep_or_first(current_speaker, info.speakers))
         status = (f"Ready: {checkpoint_label(info.checkpoint, info.stand_in)} · {len(info.speakers)} voices"
                   + (" · random weights (noise)" if info.random_weights else ""))
-        return controls.banner_update(service), status, speakers, controls.picker_update(service, MODEL_TYPE)
+        return controls.banner_update(service), status, speakers, controls.picker_update(service, TYPE.id)
 
     def chat(name, speaker_name, system_prompt, tokens, seed_value, text, audio_path, history, last_reply, interrupted, run_id,
              request: gr.Request, progress=gr.Progress(track_tqdm=True)):
@@ -183,11 +184,14 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
         the message's was the reply's longest main-thread task. A checkpoint that is not loaded yet
         says so first."""
         taken = controls.take_seed(seed_value)
-        checkpoint = name or service.default_checkpoint(MODEL_TYPE)
-        if not service.is_loaded(MODEL_TYPE, checkpoint):
-            yield {live: live_note(controls.loading_text(service, MODEL_TYPE, checkpoint)), stats: "", **panel.starting(None, "Starting…")}
-        controls.load_checkpoint(service, MODEL_TYPE, checkpoint, progress)
+        checkpoint = name or service.default_checkpoint(TYPE.id)
+        if not service.is_loaded(TYPE.id, checkpoint):
+            yield {live: live_note(controls.loading_text(service, TYPE.id, checkpoint)), stats: "", **panel.starting(None, "Starting…")}
+        controls.load_checkpoint(service, TYPE.id, checkpoint, progress)
         history = history + [{"role": "user", "text": text, "audio": audio_path}]
+        # Here, not at the top: pipeline.omni imports torch, which a UI over a remote backend loads only once it chats.
+        from pipeline.omni import ChatRequest, Turn
+
         chat_request = ChatRequest([Turn(**t) for t in history], system=system_prompt or "", speaker=speaker_name or DEFAULT_SPEAKER,
                                    seed=taken, max_new_tokens=int(tokens))
         stream = service.chat(chat_request, checkpoint, key)

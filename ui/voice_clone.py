@@ -9,14 +9,15 @@ from pathlib import Path
 
 import gradio as gr
 
+from pipeline.contract.events import VoiceInfo
+from pipeline.contract.models import BASE
 from pipeline.errors import TTSInputError
-from pipeline.service import SpeechRequest, VoiceInfo
 from ui import controls
 from ui.errors import input_error
 from ui.latency import LatencyPanel, LiveStrip
 
-NAME = "clone"
-MODEL_TYPE = "base"
+TYPE = BASE
+NAME = TYPE.name
 VOICES = Path(__file__).resolve().parent.parent / "assets" / "voices"
 EXAMPLES = [
     "Hello! This is my voice, cloned from a few seconds of audio, and it plays while it is being generated.",
@@ -32,11 +33,11 @@ def sample_voices() -> list[list[str]]:
 
 
 def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
-    with gr.Tab("Voice clone", id=NAME) as tab:
+    with gr.Tab(TYPE.tab, id=NAME) as tab:
         gr.Markdown("Upload or record 3-20 s of a voice, give its transcript (or use x-vector only), and type what it should say.")
         with gr.Row():
             with gr.Column():
-                checkpoint = controls.checkpoint_picker(service, MODEL_TYPE, NAME)
+                checkpoint = controls.checkpoint_picker(service, TYPE.id, NAME)
                 model_status = controls.model_status(NAME)
                 ref_audio = gr.Audio(
                     sources=["upload", "microphone"],
@@ -63,20 +64,12 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
                 language = controls.language_picker(NAME)
                 advanced = controls.Advanced.create(NAME)
                 generate, stop = controls.buttons(NAME)
-                strip = LiveStrip.create(NAME)  # under the buttons: a run is seen to start where the click is
+                strip = LiveStrip.create(NAME, words=True)  # under the buttons: a run is seen to start where the click is
         panel = LatencyPanel.create(NAME, strip)
 
-    load = controls.model_loader(service, MODEL_TYPE)
-
-    def speak(name, ref, transcript, xvec, voice_file, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
-              request: gr.Request, progress=gr.Progress(track_tqdm=True)):
-        # An imported voice replaces the reference recording, its transcript and its mode.
-        voice = {"voice_prompt": voice_file} if voice_file else {"ref_audio": ref, "ref_text": transcript, "x_vector_only": bool(xvec)}
-        speech = SpeechRequest(
-            text, model_type=MODEL_TYPE, checkpoint=name, language=language, **voice,
-            **controls.sampling_fields(temperature, top_k, top_p, penalty, seed, schedule, max_seconds),
-        )
-        yield from controls.generation(service, panel, speech, run_id, request, progress)
+    load = controls.model_loader(service, TYPE.id)
+    speak = controls.speech_handler(service, panel, TYPE, ["checkpoint", "ref_audio", "ref_text", "x_vector_only", "voice_prompt", "text", "language"],
+                                    advanced, voice_fields)
 
     def voice_state(name, ref, transcript, xvec, voice_file) -> Iterator[tuple[str, dict]]:
         """The status line and the Export button for the voice Generate will use: an imported voice
@@ -96,8 +89,8 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
         yield saved_voice_status(Path(voice_file).name, info), no_export
 
     def loading(name, no_export) -> Iterator[tuple[str, dict]]:
-        if not service.is_loaded(MODEL_TYPE, name):
-            yield f"{controls.loading_text(service, MODEL_TYPE, name)} The voice is prepared next.", no_export
+        if not service.is_loaded(TYPE.id, name):
+            yield f"{controls.loading_text(service, TYPE.id, name)} The voice is prepared next.", no_export
 
     def prepare(name, ref, transcript, xvec, no_export) -> Iterator[tuple[str, dict]]:
         if ref is None:
@@ -121,12 +114,19 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
     # the first Generate; another checkpoint means another voice, and may refuse the imported one.
     voice_inputs = [checkpoint, ref_audio, ref_text, x_vector_only, saved]
     for trigger in (ref_audio.change, ref_text.blur, x_vector_only.change, saved.change, checkpoint.change):
-        trigger(voice_state, voice_inputs, [voice_status, export], concurrency_id=MODEL_TYPE, concurrency_limit=1, trigger_mode="always_last",
+        trigger(voice_state, voice_inputs, [voice_status, export], concurrency_id=TYPE.id, concurrency_limit=1, trigger_mode="always_last",
                 show_progress="minimal", api_name=f"{NAME}_voice", api_visibility="private")
 
     inputs = [checkpoint, ref_audio, ref_text, x_vector_only, saved, text, language, *advanced.inputs]
-    controls.wire_buttons(service, panel, generate, stop, speak, inputs)
+    controls.wire_buttons(service, panel, generate, stop, speak, inputs, advanced)
     return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language, checkpoint])
+
+
+def voice_fields(fields: dict) -> dict:
+    """An imported voice file replaces the reference recording, its transcript and its mode."""
+    if fields["voice_prompt"]:
+        return {**fields, "ref_audio": None, "ref_text": None, "x_vector_only": False}
+    return {**fields, "voice_prompt": None, "x_vector_only": bool(fields["x_vector_only"])}
 
 
 def preparing_text(x_vector_only: bool) -> str:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import gradio as gr
 
-from pipeline.service import SpeechRequest
+from pipeline.contract.models import VOICE_DESIGN
 from ui import controls
 from ui.latency import LatencyPanel, LiveStrip
 
-NAME = "design"
-MODEL_TYPE = "voice_design"
+TYPE = VOICE_DESIGN
+NAME = TYPE.name
 EXAMPLES = [
     ["A deep, gravelly male voice with a slight British accent, speaking slowly and calmly.",
      "The old lighthouse keeper climbed the stairs one last time, and looked out over the grey sea."],
@@ -19,11 +19,11 @@ EXAMPLES = [
 
 
 def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
-    with gr.Tab("Voice design", id=NAME) as tab:
+    with gr.Tab(TYPE.tab, id=NAME) as tab:
         gr.Markdown("Describe a voice in words (timbre, age, accent, emotion, pace) and hear it speak.")
         with gr.Row():
             with gr.Column():
-                checkpoint = controls.checkpoint_picker(service, MODEL_TYPE, NAME)
+                checkpoint = controls.checkpoint_picker(service, TYPE.id, NAME)
                 model_status = controls.model_status(NAME)
                 description = gr.Textbox(EXAMPLES[0][0], label="Voice description", lines=3, elem_id=f"{NAME}-description")
                 text = gr.Textbox(EXAMPLES[0][1], label="Text to speak", lines=3, max_lines=controls.MAX_TEXT_LINES, elem_id=f"{NAME}-text")
@@ -32,19 +32,11 @@ def build(service: controls.Service, banner: gr.Markdown) -> controls.TabParts:
                 language = controls.language_picker(NAME)
                 advanced = controls.Advanced.create(NAME)
                 generate, stop = controls.buttons(NAME)
-                strip = LiveStrip.create(NAME)  # under the buttons: a run is seen to start where the click is
+                strip = LiveStrip.create(NAME, words=True)  # under the buttons: a run is seen to start where the click is
         panel = LatencyPanel.create(NAME, strip)
 
-    load = controls.model_loader(service, MODEL_TYPE)
-
-    def speak(name, voice, text, language, temperature, top_k, top_p, penalty, seed, schedule, max_seconds, run_id,
-              request: gr.Request, progress=gr.Progress(track_tqdm=True)):
-        speech = SpeechRequest(
-            text, model_type=MODEL_TYPE, checkpoint=name, language=language, instruct=voice,
-            **controls.sampling_fields(temperature, top_k, top_p, penalty, seed, schedule, max_seconds),
-        )
-        yield from controls.generation(service, panel, speech, run_id, request, progress)
-
+    load = controls.model_loader(service, TYPE.id)
+    speak = controls.speech_handler(service, panel, TYPE, ["checkpoint", "instruct", "text", "language"], advanced)
     inputs = [checkpoint, description, text, language, *advanced.inputs]
-    controls.wire_buttons(service, panel, generate, stop, speak, inputs)
+    controls.wire_buttons(service, panel, generate, stop, speak, inputs, advanced)
     return controls.TabParts(NAME, tab, checkpoint, load, [checkpoint, language], [banner, model_status, language, checkpoint])

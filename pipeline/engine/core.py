@@ -1,72 +1,45 @@
-"""The engine core: one scheduler loop per loaded model over a batch of rows (vLLM's engine core
-has this shape: admit, one batched step, hand out results).
+"""The engine core: one loop per loaded model over a batch of rows, the runtime half of vLLM's engine
+core (`EngineCore.step()`: schedule, one batched step, update from its output). The policy (which
+request gets which row and when, chunk cuts, vocoder lanes, ends and warnings) is
+pipeline/engine/scheduler.py's; this file carries it out on the devices.
 
-Each loop iteration: apply commands (cancel, more text), admit waiting requests into free rows
-(FIFO; their prefill runs between two frames), launch one decode step for every row, then read
-the previous step's codes (pinned host buffers, double-buffered) while the GPU works on this one.
-A row whose chunk is complete has it vocoded on the vocoder's own CUDA streams (lanes), overlapping
-the next decode steps, one row per vocoder call (so that its audio never depends on its
-neighbours); a delivery thread hands each chunk to its listener as soon as its audio is on the host.
+Each loop iteration: apply commands (cancel, more text, the rest of a prompt), ask the scheduler
+which waiting requests to admit (their prefill runs between two frames), launch one decode step for
+every row, then read the previous step's codes (pinned host buffers, double-buffered) while the GPU
+works on this one and hand them to the scheduler. A chunk it cuts is vocoded on the vocoder's own
+CUDA streams (lanes), overlapping the next decode steps, one row per vocoder call (so that its audio
+never depends on its neighbours); a delivery thread hands each chunk to its listener as soon as its
+audio is on the host.
 
-Callers `submit` a `Job` and get a `Handle`: an iterator of `Chunk`s. Closing it (Stop, the
-browser leaving) frees the row before the next frame.
+Callers `submit` a `Job` (never changed by the engine) and get a `Handle`: an iterator of `Chunk`s.
+Closing it (Stop, the browser leaving) frees the row before the next frame.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
+import dataclasses
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pipeline.codec import MultiStreamDecoder
+from pipeline.contract.events import DEFAULT_SCHEDULE, SAMPLE_RATE, Chunk, Queued, Waiting
 from pipeline.engine.decoder import GENERATION_PRIORITY, BatchDecoder
 from pipeline.engine.sampling import SamplingConfig
-from pipeline.errors import EngineBusy
+from pipeline.engine.scheduler import Action, Admission, Emit, Finish, Request, RowState, Schedule, Scheduler, StartSegment, StepOutput
+from pipeline.graphs import capture_all
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SCHEDULE = (1, 2, 4, 8, 16)  # frames per chunk; the last size repeats
-SAMPLE_RATE = 24000
-FRAMES_PER_SECOND = 12.5
 CLOSE_TIMEOUT_S = 10.0
-EARLY_CHUNKS = 4  # a stream's first chunks (1, 2, 4 and 8 frames by default): little audio buffered yet
-
-
-@dataclass
-class Chunk:
-    """One piece of streamed audio and where its time went."""
-
-    index: int
-    audio: np.ndarray  # float32 [samples] at 24 kHz
-    frames: int
-    # None where the figure is not known: a remote backend streams audio without its generation timings.
-    generate_ms: float | None  # GPU time of the decode steps of this chunk's frames (the first chunk adds the prefill)
-    vocode_ms: float | None  # GPU time of the vocoder for them
-    elapsed_ms: float  # since the request was submitted, when this chunk was ready; chunk 0's is the TTFA
-    audio_seconds: float  # audio streamed so far, this chunk included
-    sample_rate: int = SAMPLE_RATE
-
-    @property
-    def rtf(self) -> float:
-        """Running real-time factor: wall time so far over audio so far (below 1 is faster than real time)."""
-        return self.elapsed_ms / 1000.0 / self.audio_seconds if self.audio_seconds else float("inf")
-
-
-@dataclass
-class Queued:
-    """The request waits for a free row; `ahead` requests are before it."""
-
-    ahead: int
 
 
 @dataclass
@@ -78,6 +51,7 @@ class Segment:
     text_end: bool = True  # False: more text arrives through Handle.append_text
     awaits: int = 0  # the prompt's last positions, still to come through Handle.finish_prompt (prefilled apart)
     chars: int = 0  # characters of the text it speaks, for the warning when it goes unspoken (0: not known, streamed text)
+    text_tokens: int = 0  # text tokens it speaks, for its runaway budget (0: not known; `chars` stands in)
 
 
 @dataclass
@@ -88,8 +62,31 @@ class Job:
     max_frames: int  # over all segments
     schedule: tuple[int, ...] = DEFAULT_SCHEDULE
     vocoder_state: list[torch.Tensor] | None = None  # the vocoder primed with reference codes (voice clone)
-    ready: "torch.cuda.Event | None" = None  # recorded after the caller made the tensors above
     segment_frames: int | None = None  # at most this many per segment (None: as many as the decoder has room for)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    handle: Handle
+
+
+@dataclass(frozen=True)
+class AppendText:
+    handle: Handle
+    embeds: torch.Tensor  # [n, hidden]
+    end: bool
+    ready: torch.cuda.Event | None
+
+
+@dataclass(frozen=True)
+class FinishPrompt:
+    handle: Handle
+    rest: torch.Tensor  # [1, n, hidden]
+    ready: torch.cuda.Event | None
+
+
+Command = Cancel | AppendText | FinishPrompt
+
 
 
 class Mailbox(queue.Queue):
@@ -116,29 +113,6 @@ class Mailbox(queue.Queue):
         listener()
 
 
-@dataclass
-class Waiting:
-    """Yielded, instead of blocking, by a stream asked not to wait: nothing is ready yet.
-    `when_ready(listener)` calls `listener()` once the next item is (see Mailbox)."""
-
-    when_ready: Callable[[Callable[[], None]], None]
-
-
-def chunk_sizes(schedule: Sequence[int]) -> Iterator[int]:
-    if not schedule or any(int(n) < 1 for n in schedule):
-        raise ValueError(f"A chunk schedule is a list of positive frame counts, got {list(schedule)}.")
-    return itertools.chain(schedule, itertools.repeat(schedule[-1]))
-
-
-def vocoder_lane(row: int, chunk_index: int, lanes: int) -> int:
-    """A stream's first chunks in the first half of the lanes, its steady chunks in the others, by
-    row: simultaneous arrivals vocode side by side, a new stream's second chunk (due 80 ms after
-    its first) never waits behind a queue of 16-frame chunks, and two running streams' 16-frame
-    chunks overlap (one call leaves part of an H200 idle: two calls at once take 1.6x one)."""
-    if lanes == 1:
-        return 0
-    early = (lanes + 1) // 2
-    return row % early if chunk_index < EARLY_CHUNKS else early + row % (lanes - early)
 
 
 class Handle:
@@ -215,27 +189,6 @@ class Handle:
         self._items.put(None)
 
 
-def cut_warning(cut: list[tuple[int, int]], segments: int) -> str:
-    """What the user is told of the segments (index, frame budget) that reached their own frame limit."""
-    budget = max(frames for _, frames in cut)
-    limit = f"the frame limit of one segment ({budget} frames, {budget / FRAMES_PER_SECOND:.0f} s)"
-    if len(cut) == 1:
-        return f"Segment {cut[0][0] + 1} of {segments} reached {limit} and was cut there; shorter sentences avoid this."
-    numbers = ", ".join(str(index + 1) for index, _ in cut)
-    return f"{len(cut)} of {segments} segments ({numbers}) reached {limit} and were cut there; shorter sentences avoid this."
-
-
-def unspoken_warning(job: Job, segment: int, by_eos: bool) -> str:
-    """What the user is told when the job's frame total ends it in (or right after) `segment`, before its last one."""
-    left = job.segments[segment + 1 :]
-    chars = sum(s.chars for s in left)
-    what = "the last segment" if len(left) == 1 else f"the last {len(left)} segments"
-    what += f" ({chars:,} characters)" if chars else ""
-    where = f"after segment {segment + 1}" if by_eos else f"in segment {segment + 1}"
-    rest = "" if by_eos else "the rest of it and "
-    return (f"The request's frame limit ({job.max_frames} frames, {job.max_frames / FRAMES_PER_SECOND:.1f} s) was reached {where} of "
-            f"{len(job.segments)}: {rest}{what} of the text went unspoken; raise the length limit or leave it at its default.")
-
 
 class _Timer:
     """GPU time between two points of a stream (CUDA events), or host time on CPU."""
@@ -264,30 +217,9 @@ class _Timer:
 
 
 @dataclass
-class _Row:
-    """The engine's bookkeeping of one occupied row."""
-
-    handle: Handle
-    row: int
-    sizes: Iterator[int]
-    segment: int = 0
-    frames: int = 0  # in this segment
-    budget: int = 0  # frames this segment may make
-    limit: int = 0  # frames one segment may make (its budget, unless the job's total leaves it fewer)
-    total: int = 0  # frames over all segments
-    next_size: int = 0
-    codes: list[np.ndarray] = field(default_factory=list)  # of the chunk being made
-    generate_ms: float = 0.0
-    chunk_index: int = 0
-    samples: int = 0
-    prefill_timers: list[_Timer] = field(default_factory=list)  # read with the segment's first frame
-    cut: list[tuple[int, int]] = field(default_factory=list)  # (segment, frame budget) of the segments cut at their own limit
-
-
-@dataclass
 class _Launch:
     slot: int
-    owners: list[_Row | None]
+    schedule: Schedule  # the rows (and their segments) the step was launched for
 
 
 @dataclass
@@ -332,15 +264,15 @@ def _shutdown_engines() -> None:
 
 
 class Engine:
-    """Owns a model's decode state (BatchDecoder), its vocoder streams, two CUDA streams, the
-    scheduler thread and the delivery thread."""
+    """Owns a model's decode state (BatchDecoder), its vocoder streams, two CUDA streams, the loop
+    thread and the delivery thread; its `scheduler` decides, under `lock`, what they do."""
 
     def __init__(self, decoder: BatchDecoder, vocoder: MultiStreamDecoder, max_queue: int = 64, prefills_per_frame: int = 4,
                  progress: Callable[[int, int], None] | None = None):
         """`progress(done, total)`: called after each CUDA graph captured at load (its first run compiles the kernels it launches)."""
         self.decoder, self.vocoder = decoder, vocoder
         self.rows = decoder.rows
-        self.max_queue, self.prefills_per_frame = max_queue, prefills_per_frame
+        self.scheduler = Scheduler(self.rows, vocoder.lanes, decoder.eos_id, decoder.max_frames, max_queue, prefills_per_frame)
         self.device = decoder.codes.device
         self.cuda = self.device.type == "cuda"
         self.gen_stream = torch.cuda.Stream(self.device, priority=GENERATION_PRIORITY) if self.cuda else None
@@ -348,9 +280,9 @@ class Engine:
         self.voc_streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in range(vocoder.lanes)]
         self.row_lane: list[int | None] = [None] * self.rows
         self.row_vocoded = [torch.cuda.Event() if self.cuda else None for _ in range(self.rows)]
-        self.slots: list[_Row | None] = [None] * self.rows
-        self.waiting: deque[Handle] = deque()
-        self.commands: deque = deque()
+        self.row_samples = [0] * self.rows  # audio samples each row's stream has been given
+        self.prefill_timers: dict[int, tuple[int, list[_Timer]]] = {}  # row -> (segment epoch, its prefills), read with its first frame
+        self.commands: list[Command] = []
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.thread: threading.Thread | None = None
@@ -360,11 +292,7 @@ class Engine:
         self.iteration = 0
         self._allocate_buffers()
         # Capture now, every row idle: a capture's warm-up runs would advance live rows.
-        captures = decoder.captures() + vocoder.captures()
-        for done, capture in enumerate(captures, 1):
-            capture()
-            if progress is not None:
-                progress(done, len(captures))
+        capture_all(decoder.captures() + vocoder.captures(), progress)
         _ENGINES.add(self)
 
     def _allocate_buffers(self) -> None:
@@ -375,19 +303,28 @@ class Engine:
         self.gen_timer = [_Timer(self.cuda) for _ in range(2)]
         self.gen_done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
 
+    @property
+    def slots(self) -> list[RowState | None]:
+        """Each row's occupant (its `handle`), None where free."""
+        return self.scheduler.rows
+
+    @property
+    def waiting(self) -> list[Request]:
+        """The requests waiting for a row, first in line first."""
+        with self.lock:
+            return list(self.scheduler.waiting)
+
     # ---- the caller's side ---------------------------------------------------------------------
 
     def submit(self, job: Job) -> Handle:
         """Queue `job` (FIFO); raises EngineBusy when the queue is full. The tensors in `job` must be
         made on the calling thread's current stream, before this call."""
-        job.ready = self._caller_ready()
         handle = Handle(self, job)
+        request = Request(handle, job, list(job.segments), self._caller_ready())
         with self.lock:
-            if len(self.waiting) >= self.max_queue:
-                raise EngineBusy(f"The server is busy: {len(self.waiting)} requests ahead; try again shortly.")
-            self.waiting.append(handle)
-            if len(self.waiting) > 1 or all(self.slots):
-                handle._put(Queued(len(self.waiting) - 1))
+            ahead = self.scheduler.add(request)
+            if ahead is not None:
+                handle._put(Queued(ahead))
             self._ensure_thread()
             self.wake.notify()
         return handle
@@ -403,35 +340,39 @@ class Engine:
 
     def cancel(self, handle: Handle) -> None:
         with self.lock:
-            if handle in self.waiting:  # never admitted: nothing of it is in the outbox
-                self.waiting.remove(handle)
+            if self.scheduler.waiting_request(handle) is not None:  # never admitted: nothing of it is in the outbox
+                self.scheduler.cancel(handle)
                 handle._finish()
-                self._announce_positions()
+                self._announce(self.scheduler.positions())
                 return
-            self.commands.append(("cancel", handle, None))
+            self.commands.append(Cancel(handle))
             self.wake.notify()
 
     def append_text(self, handle: Handle, embeds: torch.Tensor, end: bool) -> None:
         ready = self._caller_ready()
         with self.lock:
-            if handle in self.waiting:  # not started: the text joins its last segment
-                segment = handle.job.segments[-1]
-                segment.trailing = torch.cat([segment.trailing, embeds])
-                segment.text_end = end
+            request = self.scheduler.waiting_request(handle)
+            if request is not None:  # not started: the text joins its last segment
+                last = request.segments[-1]
+                request.segments[-1] = dataclasses.replace(last, trailing=torch.cat([last.trailing, embeds]), text_end=end)
+                request.ready = ready
                 return
-            self.commands.append(("text", handle, (embeds, end, ready)))
+            self.commands.append(AppendText(handle, embeds, end, ready))
             self.wake.notify()
 
     def finish_prompt(self, handle: Handle, rest: torch.Tensor) -> None:
+        awaits = handle.job.segments[0].awaits
+        if rest.shape[1] != awaits:
+            raise ValueError(f"The prompt awaits {awaits} positions, not {rest.shape[1]}.")
         ready = self._caller_ready()
         with self.lock:
-            segment = handle.job.segments[0]
-            if rest.shape[1] != segment.awaits:
-                raise ValueError(f"The prompt awaits {segment.awaits} positions, not {rest.shape[1]}.")
-            if handle in self.waiting:  # not admitted yet: it starts with its whole prompt
-                segment.prompt, segment.awaits = torch.cat([segment.prompt, rest], dim=1), 0
+            request = self.scheduler.waiting_request(handle)
+            if request is not None:  # not admitted yet: it starts with its whole prompt
+                first = request.segments[0]
+                request.segments[0] = dataclasses.replace(first, prompt=torch.cat([first.prompt, rest], dim=1), awaits=0)
+                request.ready = ready
                 return
-            self.commands.append(("prompt", handle, (rest, ready)))
+            self.commands.append(FinishPrompt(handle, rest, ready))
             self.wake.notify()
 
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
@@ -460,6 +401,11 @@ class Engine:
                 log.exception("chunk delivery failed")
                 item.handle._finish(exc)
 
+    @staticmethod
+    def _announce(positions: list[tuple[Handle, int]]) -> None:
+        for handle, ahead in positions:
+            handle._put(Queued(ahead))
+
     # ---- the loop ------------------------------------------------------------------------------
 
     def _stream(self, stream):
@@ -472,114 +418,100 @@ class Engine:
             inflight: _Launch | None = None
             while not self.closing:
                 try:
-                    admitted = self._next_work(inflight is not None)
+                    schedule = self._next_work(inflight is not None)
                     if self.closing:
                         break
-                    for handle in admitted:
-                        self._admit(handle)
-                    launch = self._launch() if any(self.slots) else None
+                    for admission in schedule.admitted:
+                        self._admit(admission)
+                    launch = self._launch(schedule) if any(epoch is not None for epoch in schedule.running) else None
                     if inflight is not None:
                         self._collect(inflight)
                     inflight = launch
                 except Exception as exc:  # a broken step: fail the requests in flight, keep serving
                     log.exception("engine step failed")
                     inflight = None
-                    self._fail_all(exc)
-            self._fail_all(RuntimeError("The speech engine shut down."))
+                    with self.lock:
+                        finished = self.scheduler.fail_running(exc)
+                    self._carry_out(finished)
+            shut = RuntimeError("The speech engine shut down.")
             with self.lock:
-                for handle in self.waiting:
-                    handle._finish(RuntimeError("The speech engine shut down."))
-                self.waiting.clear()
+                finished = self.scheduler.fail_running(shut)
+                for finish in self.scheduler.fail_waiting(shut):
+                    finish.handle._finish(finish.error)
+            self._carry_out(finished)
         self.outbox.put(None)
 
-    def _next_work(self, busy: bool) -> list[Handle]:
-        """Apply commands; take waiting requests into free rows (all of them while idle, a few
-        between frames so that the running rows are not stalled). Blocks while there is nothing to do."""
+    def _next_work(self, busy: bool) -> Schedule:
+        """Apply commands, then the scheduler's admissions (all it can while idle, a few between frames so
+        that the running rows are not stalled). Blocks while there is nothing to do."""
         with self.lock:
             while True:
-                self._apply_commands()
-                free = [row for row, state in enumerate(self.slots) if state is None]
-                running = any(self.slots)
-                limit = len(free) if not running else min(len(free), self.prefills_per_frame)
-                admitted = [self.waiting.popleft() for _ in range(min(limit, len(self.waiting)))]
-                if admitted:
-                    self._announce_positions()
-                if admitted or running or busy or self.closing:
-                    break
+                commands, self.commands = self.commands, []
+                for command in commands:
+                    self._apply(command)
+                schedule = self.scheduler.schedule(time.perf_counter())
+                self._announce(schedule.positions)
+                if schedule.admitted or any(self.scheduler.rows) or busy or self.closing:
+                    return schedule
                 self.wake.wait()
-        for handle, row in zip(admitted, free):
-            self.slots[row] = _Row(handle, row, chunk_sizes(handle.job.schedule))
-        return admitted
 
-    def _announce_positions(self) -> None:
-        for ahead, handle in enumerate(self.waiting):
-            handle._put(Queued(ahead))
-
-    def _apply_commands(self) -> None:
-        while self.commands:
-            kind, handle, payload = self.commands.popleft()
-            row = self._row_of(handle)
-            if row is None:
-                if kind == "cancel":
-                    handle._released.set()
-                continue
-            if kind == "cancel":
-                self._release(row, self.slots[row])
-                continue
-            *tensors, ready = payload
-            with self._stream(self.gen_stream):
-                if ready is not None:
-                    self.gen_stream.wait_event(ready)
-                    tensors[0].record_stream(self.gen_stream)
-                if kind == "text":
-                    self.decoder.append_text(row, *tensors)
-                else:
-                    self._finish_prompt(row, self.slots[row], tensors[0])
-
-    def _row_of(self, handle: Handle) -> int | None:
-        return next((row for row, state in enumerate(self.slots) if state is not None and state.handle is handle), None)
-
-    def _admit(self, handle: Handle) -> None:
-        row = self._row_of(handle)
-        state = self.slots[row]
-        job = handle.job
-        try:
-            with self._vocoder_stream(row, vocoder_lane(state.row, state.chunk_index, self.vocoder.lanes)) as stream:
-                if job.ready is not None:
-                    stream.wait_event(job.ready)
-                self.vocoder.reset_row(row, job.vocoder_state)
-            self._start_segment(row, state)
-        except Exception as exc:
-            self._release(row, state, exc)
-
-    def _start_segment(self, row: int, state: _Row) -> None:
-        job = state.handle.job
-        segment = job.segments[state.segment]
-        remaining = job.max_frames - state.total
-        room = self.decoder.max_frames(segment.prompt.shape[1] + segment.awaits)
-        state.limit = min(room, job.segment_frames or room)
-        state.budget = min(remaining, state.limit)
-        state.frames = 0
-        timer = _Timer(self.cuda)
+    def _apply(self, command: Command) -> None:
+        """Carry out a caller's command (under the lock, on the loop thread)."""
+        if isinstance(command, Cancel):
+            finish = self.scheduler.cancel(command.handle)
+            if finish is None:  # already over
+                command.handle._released.set()
+            else:
+                self._release(finish)
+            return
+        row = self.scheduler.row_of(command.handle)
+        if row is None:
+            return
+        tensor = command.embeds if isinstance(command, AppendText) else command.rest
         with self._stream(self.gen_stream):
-            if job.ready is not None:
-                self.gen_stream.wait_event(job.ready)
+            if command.ready is not None:
+                self.gen_stream.wait_event(command.ready)
+                tensor.record_stream(self.gen_stream)
+            if isinstance(command, AppendText):
+                self.decoder.append_text(row, command.embeds, command.end)
+                self.scheduler.text_arrived(row, len(command.embeds))
+            else:
+                self._timed_prefill(row, lambda: self.decoder.finish_prompt(row, command.rest))
+
+    def _admit(self, admission: Admission) -> None:
+        row, request = admission.row, admission.request
+        self.row_samples[row] = 0
+        try:
+            with self._vocoder_stream(row, admission.lane) as stream:
+                if request.ready is not None:
+                    stream.wait_event(request.ready)
+                self.vocoder.reset_row(row, request.job.vocoder_state)
+            self._start_segment(admission.start)
+        except Exception as exc:
+            with self.lock:
+                actions = self.scheduler.abort(row, exc)
+            self._carry_out(actions)
+
+    def _start_segment(self, start: StartSegment) -> None:
+        request = start.request
+        job, segment = request.job, request.segments[start.segment]
+        self.prefill_timers[start.row] = (start.epoch, [])
+        with self._stream(self.gen_stream):
+            if request.ready is not None:
+                self.gen_stream.wait_event(request.ready)
                 for t in (segment.prompt, segment.trailing):
                     t.record_stream(self.gen_stream)  # made on the caller's stream, read on this one
-            timer.start()
-            self.decoder.start(row, segment.prompt, segment.trailing, segment.text_end, job.sampling, job.seed + state.segment, state.budget,
-                               segment.awaits)
-            timer.stop()
-        state.prefill_timers = [timer]
+            self._timed_prefill(start.row, lambda: self.decoder.start(start.row, segment.prompt, segment.trailing, segment.text_end, job.sampling,
+                                                                       job.seed + start.segment, start.budget, segment.awaits))
 
-    def _finish_prompt(self, row: int, state: _Row, rest: torch.Tensor) -> None:
+    def _timed_prefill(self, row: int, prefill: Callable[[], None]) -> None:
         timer = _Timer(self.cuda)
         timer.start()
-        self.decoder.finish_prompt(row, rest)
+        prefill()
         timer.stop()
-        state.prefill_timers.append(timer)
+        self.prefill_timers[row][1].append(timer)
 
-    def _launch(self) -> _Launch:
+    def _launch(self, schedule: Schedule) -> _Launch:
         slot = self.iteration % 2
         self.iteration += 1
         with self._stream(self.gen_stream):
@@ -591,60 +523,57 @@ class Engine:
             self.host_token[slot].copy_(token, non_blocking=True)
             if self.cuda:
                 self.gen_done[slot].record()
-        return _Launch(slot, list(self.slots))
+        return _Launch(slot, schedule)
 
     def _collect(self, launch: _Launch) -> None:
         slot = launch.slot
         if self.cuda:
             self.gen_done[slot].synchronize()  # releases the GIL while the GPU works
         produced = self.host_produced[slot].numpy()
-        tokens = self.host_token[slot].numpy()
-        codes = self.host_codes[slot].numpy()
-        step_ms = self.gen_timer[slot].ms()
-        for row, state in enumerate(launch.owners):
-            if state is None or state.handle.closed or self.slots[row] is not state:
-                continue
-            if not produced[row]:
-                # Running but no frame: it waits for more text. Its pending frames wait too: chunks cut
-                # by the schedule alone keep a request's audio the same from run to run (the vocoder's
-                # floating-point result depends on how the frames are split into calls).
-                continue
-            self._add_frame(state, codes[row].copy(), step_ms)
-            if tokens[row] == self.decoder.eos_id or state.frames >= state.budget:
-                self._end_segment(row, state, tokens[row] == self.decoder.eos_id)
+        output = StepOutput(produced, self.host_codes[slot].numpy(), self.host_token[slot].numpy(), time.perf_counter(), self.gen_timer[slot].ms(),
+                            self._prefills_read(launch.schedule, produced))
+        with self.lock:
+            actions = self.scheduler.update_from_output(launch.schedule, output)
+        self._carry_out(actions)
 
-    def _add_frame(self, state: _Row, codes: np.ndarray, step_ms: float) -> None:
-        state.generate_ms += sum(timer.ms() for timer in state.prefill_timers)
-        state.prefill_timers = []
-        state.frames += 1
-        state.total += 1
-        state.codes.append(codes)
-        state.generate_ms += step_ms
-        if not state.next_size:
-            state.next_size = next(state.sizes)
-        if len(state.codes) >= state.next_size:
-            self._emit(state)
+    def _prefills_read(self, schedule: Schedule, produced: np.ndarray) -> dict[int, float]:
+        """The prefill time of each row whose segment made its first frame in this step (its prefills have completed)."""
+        read = {}
+        for row, epoch in enumerate(schedule.running):
+            timers = self.prefill_timers.get(row)
+            if produced[row] and timers is not None and timers[0] == epoch and timers[1]:
+                read[row] = sum(timer.ms() for timer in timers[1])
+                timers[1].clear()
+        return read
 
-    def _emit(self, state: _Row) -> None:
-        """Vocode the row's pending frames as its next chunk; the delivery thread hands it out."""
-        if not state.codes:
-            return
-        codes = np.stack(state.codes)
-        audio = torch.empty(self.vocoder.output_samples(state.row, len(codes)), pin_memory=self.cuda)
+    def _carry_out(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Emit):
+                self._emit(action)
+            elif isinstance(action, Finish):
+                self._release(action)
+            else:
+                try:
+                    self._start_segment(action)
+                except Exception as exc:
+                    with self.lock:
+                        failed = self.scheduler.abort(action.row, exc)
+                    self._carry_out(failed)
+
+    def _emit(self, emit: Emit) -> None:
+        """Vocode a chunk the scheduler cut; the delivery thread hands it out."""
+        row = emit.row
+        audio = torch.empty(self.vocoder.output_samples(row, len(emit.codes)), pin_memory=self.cuda)
+        codes = torch.from_numpy(emit.codes)
         timer, done = _Timer(self.cuda), torch.cuda.Event() if self.cuda else None
-        lane = vocoder_lane(state.row, state.chunk_index, self.vocoder.lanes)
-        with self._vocoder_stream(state.row, lane):
+        with self._vocoder_stream(row, emit.lane):
             timer.start()
-            self.vocoder.decode(state.row, torch.from_numpy(codes).pin_memory() if self.cuda else torch.from_numpy(codes), audio, lane)
+            self.vocoder.decode(row, codes.pin_memory() if self.cuda else codes, audio, emit.lane)
             timer.stop()
             if done is not None:
                 done.record()
-        state.samples += audio.numel()
-        self.outbox.put(_Vocoded(state.handle, state.chunk_index, codes, audio, state.generate_ms, timer, done, state.samples / SAMPLE_RATE))
-        state.chunk_index += 1
-        state.codes = []
-        state.generate_ms = 0.0
-        state.next_size = next(state.sizes)
+        self.row_samples[row] += audio.numel()
+        self.outbox.put(_Vocoded(emit.handle, emit.index, emit.codes, audio, emit.generate_ms, timer, done, self.row_samples[row] / SAMPLE_RATE))
 
     @contextlib.contextmanager
     def _vocoder_stream(self, row: int, lane: int):
@@ -658,35 +587,12 @@ class Engine:
                 self.row_vocoded[row].record()
         self.row_lane[row] = lane
 
-    def _end_segment(self, row: int, state: _Row, by_eos: bool) -> None:
-        job = state.handle.job
-        state.handle.segment_frames.append(state.frames)
-        last = state.segment + 1 >= len(job.segments) or state.total >= job.max_frames
-        if not by_eos and state.budget == state.limit:
-            state.cut.append((state.segment, state.budget))
-        if last and state.cut:
-            state.handle.warnings.append(cut_warning(state.cut, len(job.segments)))
-        if last and state.segment + 1 < len(job.segments):
-            state.handle.warnings.append(unspoken_warning(job, state.segment, by_eos))
-        if not last:
-            state.segment += 1
-            try:
-                self._start_segment(row, state)
-                return
-            except Exception as exc:
-                self._emit(state)
-                self._release(row, state, exc)
-                return
-        self._emit(state)
-        self._release(row, state)
-
-    def _release(self, row: int, state: _Row, error: BaseException | None = None) -> None:
-        with self._stream(self.gen_stream):
-            self.decoder.stop(row)
-        self.slots[row] = None
-        self.outbox.put(_Finished(state.handle, error))  # after the row's last chunk
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for row, state in enumerate(self.slots):
-            if state is not None:
-                self._release(row, state, exc)
+    def _release(self, finish: Finish) -> None:
+        """Free the row the scheduler let go of; the stream ends after the row's last chunk."""
+        if finish.row is not None:
+            with self._stream(self.gen_stream):
+                self.decoder.stop(finish.row)
+            self.prefill_timers.pop(finish.row, None)
+        finish.handle.warnings.extend(finish.warnings)
+        finish.handle.segment_frames.extend(finish.segment_frames)
+        self.outbox.put(_Finished(finish.handle, finish.error))

@@ -74,24 +74,56 @@ def block_sizes(rows: int) -> list[int]:
     return [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How a BatchDecoder runs its model, resolved once from the flags and the device (`for_talker`)
+    and handed down whole: nothing in the decoder reads a setting from elsewhere.
+
+    `rows` utterances at once over caches of `max_seq` positions; `graphs`: the step, prefill and
+    extension as CUDA graphs (CUDA only); `compiled`: the prefill layer and the PyTorch path's step
+    torch.compile'd; `fused`: the transformer layers of the step in pipeline.kernels' Triton kernels,
+    and on CUDA its sampling too; `frame_kernels`: with `fused` and dense layers in both transformers,
+    the whole frame in kernels (`_frame_in_kernels`: sampling, code embeddings, the talker's input and
+    head, the logit processors and the commit of the row state inside them), else that glue in
+    PyTorch's ops; `kernels`: the fused kernels' tiles and launch options, whose `row_blocks` runs each
+    frame in kernels over the smallest block of first rows holding every occupied row;
+    `min_new_tokens`: codebook-0 draws before EOS may be drawn."""
+
+    rows: int
+    max_seq: int
+    graphs: bool
+    compiled: bool
+    fused: bool
+    frame_kernels: bool
+    kernels: KernelConfig
+    min_new_tokens: int = MIN_NEW_TOKENS
+
+    @classmethod
+    def for_talker(cls, talker: Talker, rows: int, max_seq: int, graphs: bool = True, compiled: bool = False, fused: bool | None = None,
+                   frame_kernels: bool | None = None, kernels: KernelConfig | None = None, min_new_tokens: int = MIN_NEW_TOKENS) -> "DecodeConfig":
+        """The configuration for `talker` on its device. Defaults: fused where `fused_available` says the
+        GPU runs the kernels; the frame in kernels on CUDA where both transformers are dense; the
+        kernel configuration of the GPU's architecture (`KernelConfig.for_device`; another
+        architecture's runs where the GPU has what it needs)."""
+        device = talker.codec_head.weight.device
+        fused = fused_available(device) if fused is None else fused
+        kernels = KernelConfig.for_device(device) if kernels is None else kernels
+        if device.type == "cuda" and fused and not kernels.runs_on(torch.cuda.get_device_capability(device)):
+            raise ValueError(f"The kernels' configuration for compute capability {kernels.capability} does not run on this GPU "
+                             f"(compute capability {torch.cuda.get_device_capability(device)}).")
+        frame_kernels = (fused and fused_supported(talker.model) and fused_supported(talker.code_predictor.model)
+                         and (device.type == "cuda" if frame_kernels is None else frame_kernels))
+        return cls(rows, max_seq, graphs and device.type == "cuda", compiled, fused, frame_kernels, kernels, min_new_tokens)
+
+
 class BatchDecoder:
-    def __init__(self, talker: Talker, tts_pad: torch.Tensor, rows: int, max_seq: int, use_cuda_graphs: bool = True, compiled: bool = False,
-                 min_new_tokens: int = MIN_NEW_TOKENS, fused: bool | None = None, frame_kernels: bool | None = None,
-                 kernels: KernelConfig | None = None):
-        """`fused`: the transformer layers of the step in the Triton kernels of pipeline.kernels,
-        and on CUDA its sampling too (default: where `fused_available` says the GPU runs them);
-        else the modules' own step, compiled if `compiled`. `frame_kernels`: with `fused` and dense
-        layers in both transformers, the whole frame in kernels (`_frame_in_kernels`: sampling,
-        code embeddings, the talker's input and head, the logit processors and the commit of the
-        row state inside them); default: on CUDA. Off, that glue is PyTorch's ops. `kernels`: the fused
-        kernels' tiles and launch options (default: `KernelConfig.for_device`, the GPU's architecture's;
-        another architecture's runs where the GPU has what it needs). With the frame in kernels, its
-        `row_blocks` runs each frame over the smallest block of first rows holding every occupied row
-        (see above)."""
+    def __init__(self, talker: Talker, tts_pad: torch.Tensor, settings: DecodeConfig):
+        """`settings`: see DecodeConfig (`DecodeConfig.for_talker` builds it for `talker`)."""
+        rows, max_seq, compiled = settings.rows, settings.max_seq, settings.compiled
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
-        self.talker, self.rows, self.max_seq = talker, rows, max_seq
+        self.talker, self.rows, self.max_seq, self.settings = talker, rows, max_seq, settings
         talker.model.setup_caches(rows, max_seq)
         talker.code_predictor.model.setup_caches(rows, config.num_code_groups)
         self.vocab = config.vocab_size
@@ -99,7 +131,7 @@ class BatchDecoder:
         self.sub_steps = config.num_code_groups - 1
         self.draws_per_frame = self.vocab + self.sub_steps * self.sub_vocab
         self.eos_id = config.codec_eos_token_id
-        self.min_new_tokens = min_new_tokens
+        self.min_new_tokens = settings.min_new_tokens
         self.suppressed = torch.zeros(self.vocab, dtype=torch.bool, device=device)
         self.suppressed[self.vocab - 1024 :] = True
         self.suppressed[self.eos_id] = False
@@ -134,11 +166,7 @@ class BatchDecoder:
         self.codes = zeros(rows, config.num_code_groups)
         self.produced = zeros(rows, dtype=torch.bool)
 
-        self.fused = fused_available(device) if fused is None else fused
-        self.kernels = KernelConfig.for_device(device) if kernels is None else kernels
-        if device.type == "cuda" and self.fused and not self.kernels.runs_on(torch.cuda.get_device_capability(device)):
-            raise ValueError(f"The kernels' configuration for compute capability {self.kernels.capability} does not run on this GPU "
-                             f"(compute capability {torch.cuda.get_device_capability(device)}).")
+        self.fused, self.frame_kernels, self.kernels = settings.fused, settings.frame_kernels, settings.kernels
         self.talker_decode = self._decode_step(talker.model, compiled)
         self.predictor_logits = self._logits_step(talker.code_predictor.model, compiled)
         self.talker_prefill = talker.model.prefill
@@ -160,8 +188,6 @@ class BatchDecoder:
             # One kernel instead of a sort, two softmaxes, a scan and an argmax, 16 times a frame
             # (not on CPU: Triton's interpreter takes a third of a second per row).
             self.sample = partial(fused_sample, config=self.kernels)
-        self.frame_kernels = (self.fused and fused_supported(talker.model) and fused_supported(talker.code_predictor.model)
-                              and (device.type == "cuda" if frame_kernels is None else frame_kernels))
         project = talker.code_predictor.small_to_mtp_projection
         projects = isinstance(project, torch.nn.Linear)  # the 1.7B's: the talker is wider than its code predictor
         if self.frame_kernels:
@@ -177,12 +203,13 @@ class BatchDecoder:
             # projected once here): one input projection a frame instead of 15.
             self.next_tables = (project_code_tables(talker.code_predictor.model, project, self.code_tables, self.kernels) if projects
                                 else self.code_tables)
-        self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
+        self.use_cuda_graphs = settings.graphs
         row_blocks = self.frame_kernels and self.kernels.row_blocks
         self.block_sizes = block_sizes(rows) if row_blocks else [rows]
         self.occupied = [False] * rows  # rows between start() and stop(), known without a device sync
+        # `_step`'s PyTorch ops embed the codes its sampling kernels draw: not run with those kernels skipped (CUDAGraphed's `ahead`).
         self.step_graphs = {n: CUDAGraphed(partial(self._frame_in_kernels, self._row_block(n)) if self.frame_kernels else self._step,
-                                           self.use_cuda_graphs, priority=GENERATION_PRIORITY) for n in self.block_sizes}
+                                           self.use_cuda_graphs, priority=GENERATION_PRIORITY, ahead=self.frame_kernels) for n in self.block_sizes}
         self.buckets = sorted({min(b, max_seq) for b in PREFILL_BUCKETS})
         self.prefill_row = zeros(1)
         self.prefill_in = {b: zeros(1, b, config.hidden_size, dtype=dtype) for b in self.buckets}

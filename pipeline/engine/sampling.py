@@ -15,23 +15,25 @@ from typing import Any
 import torch
 
 from pipeline.model import known_fields
+from pipeline.request import shipped
 
 M32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Sampling for the talker (codebook 0) and the sub-talker (codebooks 1..15); defaults as the reference's."""
+    """Sampling for the talker (codebook 0) and the sub-talker (codebooks 1..15); each field but the two
+    switches is a sampling field of the request (pipeline.request), defaults as the reference's."""
 
     do_sample: bool = True
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
+    temperature: float = shipped("temperature")
+    top_k: int = shipped("top_k")
+    top_p: float = shipped("top_p")
+    repetition_penalty: float = shipped("repetition_penalty")
     subtalker_dosample: bool = True
-    subtalker_temperature: float = 0.9
-    subtalker_top_k: int = 50
-    subtalker_top_p: float = 1.0
+    subtalker_temperature: float = shipped("subtalker_temperature")
+    subtalker_top_k: int = shipped("subtalker_top_k")
+    subtalker_top_p: float = shipped("subtalker_top_p")
 
     @classmethod
     def from_generation_config(cls, data: dict[str, Any], **overrides: Any) -> "SamplingConfig":
@@ -70,7 +72,7 @@ class RowSampling:
         self.top_p[row].fill_(top_p)
 
     def select(self, rows: slice) -> "RowSampling":
-        return RowSampling(self.do_sample[rows], self.temperature[rows], self.top_k[rows], self.top_p[rows])
+        return RowSampling(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:

@@ -11,28 +11,27 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from pipeline.audio import load_reference_audio
+from pipeline.contract import Service
+from pipeline.contract.events import TINY
+from pipeline.contract.models import MODEL_TYPES
 from pipeline.errors import TTSInputError
-from pipeline.listening.render import ModelFor
-from pipeline.listening.session import MODEL_TYPE, Session, SessionError, System, excerpt
+from pipeline.listening.session import MODES, Session, SessionError, System, excerpt
 
 Choices = Mapping[str, Sequence[str]]  # the checkpoints the app serves per model type (a service's `choices`)
 
 
-def served_choices(model_for: ModelFor | None) -> Choices | None:
-    """The checkpoints served by the service whose `model` method `model_for` is; None for any other
-    renderer (which is asked for exactly the checkpoints a session names)."""
-    return getattr(getattr(model_for, "__self__", None), "choices", None)
+def served_choices(service: Service | None) -> Choices | None:
+    """The checkpoints the rendering service serves; None without one."""
+    return None if service is None else service.choices
 
 
 def served_checkpoint(choices: Choices, model_type: str, checkpoint: str) -> str | None:
     """The app's checkpoint that renders `checkpoint`: itself where the app serves it; the tiny one
     for an official Hub checkpoint of a type the app serves only the tiny one of; None otherwise."""
-    from pipeline.service import HUB_CHECKPOINTS, TINY
-
     served = tuple(choices.get(model_type, ()))
     if checkpoint in served:
         return checkpoint
-    if served == (TINY,) and checkpoint in HUB_CHECKPOINTS.get(model_type, ()):
+    if served == (TINY,) and checkpoint in MODEL_TYPES[model_type].hub_checkpoints:
         return TINY
     return None
 
@@ -47,22 +46,23 @@ def as_served(session: Session, choices: Choices | None) -> Session:
 def _served(system: System, choices: Choices) -> System:
     if not system.rendered:
         return system
-    served = served_checkpoint(choices, MODEL_TYPE[system.mode], system.checkpoint)
+    served = served_checkpoint(choices, MODES[system.mode].model_type, system.checkpoint)
     return system if served in (None, system.checkpoint) else replace(system, served_by=served)
 
 
-def check_renderable(session: Session, model_for: ModelFor | None) -> None:
+def check_renderable(session: Session, service: Service | None) -> None:
     """The checks that rendering the session's clips makes, before any is rendered: each system's
     checkpoint is one the app serves (loaded now, as Save would load it), each clip's request passes
     that checkpoint's checks (speaker, language, frame limit) and each reference voice is a clip of
-    1-30 s. SessionError names the line."""
-    if model_for is None:  # sessions of recordings alone: nothing is rendered
+    1-30 s. SessionError names the line. The checkpoints' checks need them loaded here: a remote
+    backend's service refuses (`RemoteService.model`), with its sentence."""
+    if service is None:  # sessions of recordings alone: nothing is rendered
         return
     for system in session.systems:
         if not system.rendered:
             continue
         try:
-            model = model_for(MODEL_TYPE[system.mode], system.served_by or system.checkpoint)
+            model = service.model(MODES[system.mode].model_type, system.served_by or system.checkpoint)
         except TTSInputError as exc:  # not served here: the service's own sentence
             raise SessionError(f"line {system.line}: system '{system.name}': {excerpt(str(exc))}") from None
         for item in session.items:

@@ -1,5 +1,6 @@
-"""The clips of a session: rendered by our engine (all of a session's requests submitted at once, so
-the batched engine runs them together) or read from a system's folder; loudness-normalised to
+"""The clips of a session: rendered by our engine through the app's `Service` (its voice-prompt cache,
+Stop by key; a wave of a session's requests started at once, so the batched engine runs them
+together) or read from a system's folder; loudness-normalised to
 -23 LUFS (EBU R 128, measured by pyloudnorm's ITU-R BS.1770 meter) so that level does not decide a
 vote; cached on disk by a hash of everything that makes the clip, so a clip is rendered once and a
 re-render (same checkpoint, settings, seed) gives the same audio. MUSHRA's anchor is the reference
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,17 +18,17 @@ import numpy as np
 import soundfile as sf
 
 from pipeline.audio import load_clip
+from pipeline.contract import Service
+from pipeline.contract.events import SAMPLE_RATE, Chunk, StreamEnd
+from pipeline.errors import TTSInputError
 from pipeline.listening.design import ANCHOR
 from pipeline.listening.session import Item, Session, System
 
-SAMPLE_RATE = 24000
 TARGET_LUFS = -23.0
 PEAK_LIMIT = 0.999  # a gain that would clip is reduced to this peak (the clip is then quieter; the manifest says so)
 ANCHOR_CUTOFF_HZ = 3500
 SUBMIT_AT_ONCE = 32  # within the engine's queue limit
 MIN_MEASURABLE_S = 0.4  # BS.1770 gates 400 ms blocks: shorter clips cannot be measured
-
-ModelFor = Callable[[str, str], object]  # (model type, checkpoint) -> a loaded TTS
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,17 @@ class ClipCache:
         names = [s.name for s in session.systems] + ([ANCHOR] if session.test == "mushra" else [])
         return [(s, i.name) for s in names for i in session.items if not self.path(session, s, i.name).is_file()]
 
-    def render(self, session: Session, model_for: ModelFor, progress: Callable[[int, int], None] | None = None) -> list[Clip]:
-        """Render (or find) every clip of the session; `progress(done, total)` after each."""
+    def render(self, session: Session, service: Service, progress: Callable[[int, int], None] | None = None) -> list[Clip]:
+        """Render (or find) every clip of the session; `progress(done, total)` after each. A clip's
+        stream runs under the key `render_key(session, system, item)`: `service.stop` of it ends the
+        render with a TTSInputError, the clips before it kept."""
         todo = self.missing(session)
         total, done = len(todo), 0
-        engine_clips = [(session.system(s), session.item(i)) for s, i in todo if s != ANCHOR and session.system(s).rendered]
+        engine_clips = [(s, i) for s, i in todo if s != ANCHOR and session.system(s).rendered]
         for start in range(0, len(engine_clips), SUBMIT_AT_ONCE):  # together: the engine batches them
-            wave = [(system, item, _submit(model_for, system, item)) for system, item in engine_clips[start:start + SUBMIT_AT_ONCE]]
-            for system, item, handle in wave:
-                self._store(session, system.name, item.name, np.concatenate([chunk.audio for chunk in handle]))
+            wave = [(s, i, _started(service, session, s, i)) for s, i in engine_clips[start:start + SUBMIT_AT_ONCE]]
+            for s, i, stream in wave:
+                self._store(session, s, i, _audio(stream, f"clip of system '{s}' and item '{i}'"))
                 done += 1
                 if progress:
                     progress(done, total)
@@ -129,13 +132,26 @@ def low_pass(audio: np.ndarray, cutoff_hz: float) -> np.ndarray:
     return sosfiltfilt(sos, audio.astype(np.float64)).astype(np.float32)
 
 
-def _submit(model_for: ModelFor, system: System, item: Item):
-    request = system.request(item)
-    tts = model_for(request.model_type, system.served_by or system.checkpoint)
-    voice = None
-    if request.model_type == "base":
-        voice = tts.create_voice_prompt(request.ref_audio, request.ref_text, request.x_vector_only)
-    return tts.submit(request, voice)
+def render_key(session: Session, system: str, item: str) -> str:
+    return f"listening:{session.name}:{system}:{item}"
+
+
+def _started(service: Service, session: Session, system: str, item: str) -> Iterator:
+    """The clip's stream, its request checked and sent to the engine (which starts it beside the others started before it)."""
+    stream = service.stream(session.system(system).request(session.item(item)), render_key(session, system, item))
+    next(stream)  # the StreamStart: the request is in the engine
+    return stream
+
+
+def _audio(stream: Iterator, what: str) -> np.ndarray:
+    """The whole audio of a started stream; TTSInputError if Stop ended it."""
+    try:
+        items = list(stream)
+    finally:
+        stream.close()
+    if next(item for item in items if isinstance(item, StreamEnd)).stopped:
+        raise TTSInputError(f"Rendering was stopped at the {what}; render again to go on.")
+    return np.concatenate([item.audio for item in items if isinstance(item, Chunk)])
 
 
 def _system_spec(system: System) -> dict:

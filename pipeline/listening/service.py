@@ -21,10 +21,11 @@ from pathlib import Path
 
 import soundfile as sf
 
+from pipeline.contract import Service
 from pipeline.listening import stats
 from pipeline.listening.checkpoints import as_served, check_renderable, served_choices
 from pipeline.listening.design import ANCHOR, trials
-from pipeline.listening.render import ClipCache, ModelFor
+from pipeline.listening.render import ClipCache
 from pipeline.listening.session import NAME, Session, SessionError, load_session, parse_session
 from pipeline.listening.store import Vote, VoteError, VoteStore, check_played
 
@@ -65,13 +66,13 @@ class Shown:
 
 
 class Sessions:
-    def __init__(self, root: str | Path, model_for: ModelFor | None, clock: Callable[[], float] = time.time):
-        """`model_for`: what renders clips, a service's `model` method (the service's `choices` say which
-        checkpoints it serves), or None for sessions of recordings alone."""
+    def __init__(self, root: str | Path, service: Service | None, clock: Callable[[], float] = time.time):
+        """`service`: what renders clips (its `choices` say which checkpoints it serves), or None for
+        sessions of recordings alone."""
         self.root = Path(root)
         self.clock = clock  # seconds since the epoch: when trials are shown and votes come
         self.root.mkdir(parents=True, exist_ok=True)
-        self.model_for = model_for
+        self.service = service
         self.store = VoteStore(self.root / "votes.db")
         self.clips = ClipCache(self.root / "clips")
         self._render_lock = threading.Lock()
@@ -86,8 +87,8 @@ class Sessions:
         this folder: a session file from the page never opens other server paths), then every check
         that rendering its clips makes (`check_renderable`: the checkpoints, loaded now)."""
         try:
-            session = as_served(parse_session(text, base or self.root, root=self.root), served_choices(self.model_for))
-            check_renderable(session, self.model_for)
+            session = as_served(parse_session(text, base or self.root, root=self.root), served_choices(self.service))
+            check_renderable(session, self.service)
         except SessionError as exc:
             raise SessionError(f"session file {exc}") from None
         return session
@@ -113,13 +114,13 @@ class Sessions:
         if not (self.root / name / SESSION_FILE).is_file():
             raise SessionError(f"There is no listening session '{name}'.")
         # Relative paths of a saved session are relative to the folder it was written from: this one.
-        return as_served(load_session(self.root / name / SESSION_FILE, base=self.root, root=self.root), served_choices(self.model_for))
+        return as_served(load_session(self.root / name / SESSION_FILE, base=self.root, root=self.root), served_choices(self.service))
 
     def render(self, name: str, progress: Callable[[int, int], None] | None = None) -> int:
         """Render the session's missing clips; returns how many clips it has."""
         session = self.session(name)
         with self._render_lock:  # one render at a time: they share the engines
-            return len(self.clips.render(session, self.model_for, progress))
+            return len(self.clips.render(session, self.service, progress))
 
     def missing(self, name: str) -> int:
         return len(self.clips.missing(self.session(name)))

@@ -35,20 +35,37 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.contract.models import MODEL_TYPES
 from pipeline.errors import TTSInputError
-from pipeline.request import SpeechRequest
+from pipeline.request import REQUEST_FIELDS, SETTING_ROLES, SpeechRequest, fields_of
 
 TESTS = ("ab", "abx", "mushra")
-MODES = {  # what each engine mode needs of an item
-    "custom_voice": ("speaker",),
-    "voice_design": ("instruct",),
-    "clone": ("reference_audio", "reference_text"),
-    "clone_x_vector": ("reference_audio",),
-}
-MODEL_TYPE = {"custom_voice": "custom_voice", "voice_design": "voice_design", "clone": "base", "clone_x_vector": "base"}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How a system renders: its model type, and what its items need."""
+
+    model_type: str
+    needs: tuple[str, ...]  # the item keys each item must give
+    x_vector_only: bool = False
+
+
+def _modes() -> dict[str, Mode]:
+    """The engine modes: one per model type that speaks in its own voices, then two per one that clones
+    a reference (ICL, and x-vector only)."""
+    speech = [kind for kind in MODEL_TYPES.values() if kind.speech]
+    modes = {kind.id: Mode(kind.id, ("speaker",) * kind.speaker + ("instruct",) * kind.needs_instruct) for kind in speech if not kind.reference}
+    for kind in (kind for kind in speech if kind.reference):
+        modes[kind.name] = Mode(kind.id, ("reference_audio", "reference_text"))
+        modes[f"{kind.name}_x_vector"] = Mode(kind.id, ("reference_audio",), x_vector_only=True)
+    return modes
+
+
+MODES = _modes()
+ITEM_FIELDS = {"speaker": "speaker", "instruct": "instruct", "reference_audio": "ref_audio", "reference_text": "ref_text"}  # item key -> request field
 ITEM_KEYS = ("name", "text", "speaker", "instruct", "language", "reference_audio", "reference_text")
-SETTING_KEYS = ("language", "greedy", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k",
-                "subtalker_top_p", "max_frames", "schedule")
+SETTING_KEYS = fields_of(*SETTING_ROLES)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 MAX_FILE_BYTES = 128 * 1024  # a few hundred items of several sentences each; parsed in about half a second
 MAX_SYSTEMS = 7  # a MUSHRA trial shows every system and the anchor: 8 conditions on one screen
@@ -82,14 +99,17 @@ class System:
         return self.checkpoint is not None
 
     def request(self, item: Item) -> SpeechRequest:
-        """The engine request of one clip (validated)."""
-        fields = {"speaker": item.speaker, "instruct": item.instruct, "language": item.language or "auto"}
-        if self.mode in ("clone", "clone_x_vector"):
-            fields = {"ref_audio": str(item.reference_audio), "ref_text": item.reference_text if self.mode == "clone" else None,
-                      "x_vector_only": self.mode == "clone_x_vector", "language": item.language or "auto"}
-        fields = {k: v for k, v in fields.items() if v is not None}
-        return SpeechRequest(item.text, **{**fields, **self.settings, "seed": self.seed, "model_type": MODEL_TYPE[self.mode],
-                                           "checkpoint": self.checkpoint}).validate()
+        """The engine request of one clip (validated), for the checkpoint that renders it: the item's
+        fields that the mode's model type takes, the system's settings and seed."""
+        mode = MODES[self.mode]
+        kind = MODEL_TYPES[mode.model_type]
+        fields = {name: getattr(item, key) for key, name in ITEM_FIELDS.items() if kind.takes(REQUEST_FIELDS[name].role) and getattr(item, key) is not None}
+        if kind.reference:
+            fields.update(ref_audio=str(item.reference_audio), x_vector_only=mode.x_vector_only)
+            if mode.x_vector_only:
+                fields.pop("ref_text", None)  # an x-vector-only voice is made without it
+        return SpeechRequest(item.text, **{**fields, "language": item.language or "auto", **self.settings, "seed": self.seed,
+                                           "model_type": mode.model_type, "checkpoint": self.served_by or self.checkpoint}).validate()
 
 
 @dataclass(frozen=True)
@@ -410,7 +430,7 @@ def _check_systems_serve_items(systems: list[System], items: list[Item], root: P
                 except (RuntimeError, OSError):  # libsndfile's errors name no file
                     raise SessionError(f"line {system.line}: {_path_shown(wav)} of system '{system.name}' is not a readable WAV file.") from None
                 continue
-            missing = [key for key in MODES[system.mode] if getattr(item, key) in (None, "")]
+            missing = [key for key in MODES[system.mode].needs if getattr(item, key) in (None, "")]
             if missing:
                 raise SessionError(f"line {item.line}: item '{item.name}' has no {missing[0]}, which system '{system.name}' ({system.mode}) needs.")
             try:

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,9 @@ from pipeline import memory_plan
 from pipeline.audio import load_message_audio
 from pipeline.codec import MultiStreamDecoder
 from pipeline.config_types import ROPE, check_config, dataclass_schema
-from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, Engine, Handle, Job, Mailbox, Queued, SamplingConfig, Segment, Waiting
+from pipeline.contract.events import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_REPLY_TOKENS, ChatEnd, TextDelta
+from pipeline.contract.models import OMNI
+from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, DecodeConfig, Engine, Handle, Job, Mailbox, Queued, SamplingConfig, Segment, Waiting
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import load_part, read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.model import CodePredictorConfig
@@ -41,15 +43,9 @@ from pipeline.request import MAX_SCALE, MAX_SEED, MAX_TOP_K, check_integer, chec
 
 log = logging.getLogger(__name__)
 
-HUB_ID = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+HUB_ID = OMNI.hub_checkpoints[0]
 REQUIRED_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json", "preprocessor_config.json")
-DEFAULT_SPEAKER = "Ethan"
-DEFAULT_SYSTEM_PROMPT = (
-    "You are Qwen-Omni, a smart voice assistant created by Alibaba Qwen. You are communicating with the user by voice: "
-    "keep your replies short and conversational, and do not use formatting, lists or emoji, which cannot be spoken."
-)
 MAX_PROMPT = 2030  # thinker positions of the conversation (so the talker's prompt fits its largest prefill); older turns are dropped beyond
-MAX_REPLY_TOKENS = 1024  # reply tokens at most (and by default): the thinker's cache slot is sized for them
 THINKER_MAX_SEQ = MAX_PROMPT + MAX_REPLY_TOKENS  # thinker positions per conversation (its cache slot)
 DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once; on CUDA fewer where the free memory holds fewer (pipeline.memory_plan)
 TALKER_MAX_SEQ = 4096  # talker positions per conversation: the user turns + 9 + frames
@@ -128,30 +124,6 @@ class ChatRequest:
 
 
 @dataclass
-class TextDelta:
-    """New reply text: tokens first_token..last_token (token k is spoken in speech frame k)."""
-
-    first_token: int
-    last_token: int
-    text: str
-    elapsed_ms: float  # since the request started
-
-
-@dataclass
-class ChatEnd:
-    text: str  # the reply as the tokenizer decodes it, special tokens skipped
-    tokens: list[int]  # the reply's token ids, <|im_end|> included when the thinker wrote it
-    frames: int
-    stopped: bool
-    first_text_ms: float | None
-    first_audio_ms: float | None
-    thinker_ms_per_token: float
-    codes: np.ndarray  # int64 [frames, 16], layer-0 code first
-    warnings: list[str] = field(default_factory=list)
-    dropped_turns: int = 0  # the oldest turns of the conversation left out to fit the model's context
-
-
-@dataclass
 class ChatReply:
     text: str
     tokens: list[int]
@@ -187,7 +159,8 @@ class OmniChat:
         thinker.use_graphs(use_cuda_graphs)
         with torch.inference_mode():
             self.specials = text_specials(talker, thinker.model.get_input_embeddings(), ids).to(talker.codec_head.weight.dtype)
-            decoder = BatchDecoder(talker, self.specials[0], self.rows, max_seq, use_cuda_graphs, compiled, min_new_tokens=0, fused=fused)
+            settings = DecodeConfig.for_talker(talker, self.rows, max_seq, use_cuda_graphs, compiled, fused=fused, min_new_tokens=0)
+            decoder = BatchDecoder(talker, self.specials[0], settings)
             vocoder = MultiStreamDecoder(code2wav, self.rows, use_cuda_graphs, vocoder_lanes)
             self.engine = Engine(decoder, vocoder, max_queue=max_queue)
 

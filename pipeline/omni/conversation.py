@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.contract.events import MAX_AUDIO_SECONDS as MAX_AUDIO_SECONDS  # per audio message; pipeline.omni imports it from here
 from pipeline.errors import TTSInputError
 
 AUDIO_SAMPLE_RATE = 16000  # the audio encoder's feature extractor
-MAX_AUDIO_SECONDS = 60.0  # per audio message
 AUDIO_START, AUDIO_PAD, AUDIO_END = "<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 N_WINDOW = 50  # the audio encoder's window (mel frames per half chunk), as the processor's default

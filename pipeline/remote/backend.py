@@ -7,15 +7,14 @@ Two kinds of server speak the protocol: another instance of this app (its `/v1/m
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
 
+from pipeline.contract.models import by_task, by_vllm_name
 from pipeline.errors import BackendUnavailable, TTSInputError
-from pipeline.service import API_TASK_TYPES
 
 CONNECT_TIMEOUT_S = 10.0
 # A backend that sends nothing for this long is taken as gone. Generous: a request may wait in the
@@ -24,9 +23,6 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0
 LOAD_TIMEOUT_S = 1800.0  # a first use that downloads and loads a checkpoint on the backend
 KEY_HINT = "give the backend's key with --backend-key (or QWEN_TTS_BACKEND_KEY)"
-TASK_NAMES = {kind: name for name, kind in API_TASK_TYPES.items()}
-# vLLM-Omni names a Qwen3-TTS checkpoint's task at the end of its name (as its own adapter reads it).
-VARIANT = re.compile(r"(custom[-_.]?voice|voice[-_.]?design|base)$")
 
 
 @dataclass(frozen=True)
@@ -115,14 +111,10 @@ def model_type_of(entry: dict) -> str | None:
     """The tab a /v1/models entry serves: this app says it (`task_type`); vLLM-Omni's entries are named
     like the checkpoint they serve (`id`, else `root`, the path it was loaded from); None if neither."""
     if "task_type" in entry:
-        return API_TASK_TYPES.get(entry["task_type"])
-    for name in (entry.get("id"), entry.get("root")):
-        last = str(name or "").rstrip("/").split("/")[-1].lower()
-        if "qwen3-omni" in last:
-            return "omni"
-        if match := VARIANT.search(last):
-            return {"customvoice": "custom_voice", "voicedesign": "voice_design", "base": "base"}[re.sub(r"[-_.]", "", match.group(1))]
-    return None
+        kind = by_task(entry["task_type"]) if isinstance(entry["task_type"], str) else None
+        return kind.id if kind else None
+    kind = next(filter(None, (by_vllm_name(str(name or "")) for name in (entry.get("id"), entry.get("root")))), None)
+    return kind.id if kind else None
 
 
 def server_message(response: httpx.Response) -> str:

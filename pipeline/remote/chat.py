@@ -20,15 +20,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 
-from pipeline.engine import Chunk
+from pipeline.contract.events import SAMPLE_RATE, SAMPLES_PER_FRAME, ChatEnd, Chunk, TextDelta
 from pipeline.errors import TTSInputError
-from pipeline.omni import ChatEnd, ChatRequest, TextDelta, Turn
 from pipeline.remote.backend import Backend
-from pipeline.remote.speech import SAMPLE_RATE, SAMPLES_PER_FRAME, Connection
+from pipeline.remote.speech import Connection
+
+if TYPE_CHECKING:
+    from pipeline.omni import ChatRequest, Turn
 
 # The official checkpoint's voices: vLLM-Omni does not list a Qwen3-Omni model's speakers.
 QWEN3_OMNI_VOICES = ["Aiden", "Chelsie", "Ethan"]

@@ -12,20 +12,22 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import quote
 
 import httpx
 
-from pipeline import voice_file
-from pipeline.engine import Chunk
+from pipeline.contract.events import SAMPLE_RATE, SAMPLES_PER_FRAME, ChatEnd, Chunk, Fallback, ModelInfo, StreamEnd, StreamStart, TextDelta, VoiceInfo
+from pipeline.contract.models import MODEL_TYPES, OMNI
+from pipeline.contract.running import Running, check_reference_upload, content_hash
 from pipeline.errors import TTSInputError
-from pipeline.model import MODEL_TYPES
-from pipeline.remote.backend import LOAD_TIMEOUT_S, TASK_NAMES, Backend, StallRule
+from pipeline.remote.backend import LOAD_TIMEOUT_S, Backend, StallRule
 from pipeline.remote.chat import QWEN3_OMNI_VOICES, chat_body, reply_items
-from pipeline.remote.speech import SAMPLE_RATE, SAMPLES_PER_FRAME, Connection, data_url, pcm_chunks, speech_body, unsent_settings
+from pipeline.remote.speech import Connection, data_url, pcm_chunks, speech_body, unsent_settings
 from pipeline.request import SpeechRequest
-from pipeline.service import OMNI, TAB_TYPES, ChatEnd, ChatRequest, Fallback, ModelInfo, Running, StreamEnd, StreamStart, TextDelta, VoiceInfo, check_reference_upload, content_hash
+
+if TYPE_CHECKING:
+    from pipeline.omni import ChatRequest
 
 REFERENCES_KEPT = 8  # encoded reference recordings (a few MB each)
 
@@ -44,7 +46,7 @@ class RemoteService:
         if not models:
             raise TTSInputError(f"The backend at {self.url} serves no Qwen3-TTS or Qwen3-Omni model (GET /v1/models); "
                                 "vLLM-Omni names the task at the end of the model's name (-Base, -CustomVoice, -VoiceDesign).")
-        self.choices = {kind: tuple(m.id for m in models if m.model_type == kind) for kind in TAB_TYPES if any(m.model_type == kind for m in models)}
+        self.choices = {kind: served for kind in MODEL_TYPES if (served := tuple(m.id for m in models if m.model_type == kind))}
         self._entries = {(m.model_type, m.id): m.entry for m in models}
         self._info: dict[tuple[str, str], ModelInfo] = {}
         self._references: OrderedDict[str, str] = OrderedDict()  # content hash -> data: URL
@@ -74,7 +76,7 @@ class RemoteService:
         if not self.ours or (model_type, source) in self._info:
             return True
         entries = self.backend.get_json("/v1/models").get("data") or []
-        return any(e.get("id") == source and e.get("task_type") == TASK_NAMES.get(model_type) and e.get("loaded") for e in entries)
+        return any(e.get("id") == source and e.get("task_type") == MODEL_TYPES[model_type].task_type and e.get("loaded") for e in entries)
 
     def load_progress(self, model_type: str, checkpoint: str | None = None) -> None:
         """The backend loads its checkpoints itself and does not say how far it is."""
@@ -93,14 +95,15 @@ class RemoteService:
 
     def _describe(self, model_type: str, source: str) -> ModelInfo:
         if self.ours:  # loads the checkpoint on first use, as a local tab would
-            entry = self.backend.get_json(f"/v1/models/{quote(source, safe='')}", {"task_type": TASK_NAMES[model_type]}, LOAD_TIMEOUT_S)
+            entry = self.backend.get_json(f"/v1/models/{quote(source, safe='')}", {"task_type": MODEL_TYPES[model_type].task_type}, LOAD_TIMEOUT_S)
             return ModelInfo(source, model_type, entry["voices"], entry["languages"], entry["supports_instruct"], entry["random_weights"])
-        if model_type == OMNI:
+        kind = MODEL_TYPES[model_type]
+        if not kind.speech:
             return ModelInfo(source, model_type, QWEN3_OMNI_VOICES, [], False, False)
         # vLLM-Omni reports the preset speakers, not the languages (its error for a wrong one lists them);
         # whether a checkpoint follows instructions is read from its official name (0.6B CustomVoice: no).
-        speakers = self._vllm_voices() if model_type == "custom_voice" else []
-        instruct = model_type == "voice_design" or (model_type == "custom_voice" and "0.6b" not in source.lower())
+        speakers = self._vllm_voices() if kind.speaker else []
+        instruct = kind.needs_instruct or (kind.instruct and "0.6b" not in source.lower())
         return ModelInfo(source, model_type, speakers, ["auto"], instruct, False)
 
     def _vllm_voices(self) -> list[str]:
@@ -136,8 +139,19 @@ class RemoteService:
         """What a voice file holds; it goes to the backend with each request, which checks it against its checkpoint."""
         if not self.ours:
             raise TTSInputError("vLLM-Omni takes no saved voices: clear the voice file and use the reference audio.")
+        from pipeline import voice_file  # reads safetensors with torch: imported on the first voice file, not with the UI
+
         x_vector_only, ref_text, frames = voice_file.describe(voice_file.read(path))
         return VoiceInfo(x_vector_only, ref_text, frames * SAMPLES_PER_FRAME / SAMPLE_RATE)
+
+    def _voice(self, checkpoint: str, request: SpeechRequest) -> str:
+        """The voice a request sends: its saved voice as base64, or its reference recording as a data: URL."""
+        if request.voice_prompt is None:
+            return self._reference(request.ref_audio)
+        from pipeline import voice_file
+
+        self.load_voice_file(checkpoint, request.voice_prompt)  # a damaged file is told here, not by a 400
+        return base64.b64encode(voice_file.read(request.voice_prompt)).decode()
 
     def _reference(self, ref_audio: str | Path | None) -> str:
         """The recording as a base64 data: URL, encoded once per content."""
@@ -160,18 +174,12 @@ class RemoteService:
         """As `ModelService.stream`: a bad request raises TTSInputError (checked here, or the server's
         own message), then a StreamStart, the Chunks as they arrive, a StreamEnd. `stop(key)` closes
         the connection, which makes the backend free the request's row."""
-        request.validate()
-        if request.model_type not in MODEL_TYPES:
-            raise TTSInputError(f"Unknown model type {request.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
+        request = request.for_service()
         if request.greedy:
             raise TTSInputError("Greedy decoding is not offered over the HTTP API: give a seed for a repeatable take.")
         checkpoint = request.checkpoint or self.default_checkpoint(request.model_type)
         self._check_served(request.model_type, checkpoint)
-        if request.voice_prompt is not None:
-            self.load_voice_file(checkpoint, request.voice_prompt)  # a damaged file is told here, not by a 400
-            reference = base64.b64encode(voice_file.read(request.voice_prompt)).decode()
-        else:
-            reference = self._reference(request.ref_audio) if request.model_type == "base" else None
+        reference = self._voice(checkpoint, request) if MODEL_TYPES[request.model_type].reference else None
         warnings = self._unsent_warnings(request)
         body = speech_body(request, checkpoint, self.ours, reference)
         end_warnings: list[str] = []  # this app's backend tells them at the stream's end (text left unspoken)
@@ -186,10 +194,10 @@ class RemoteService:
         of the speech are the backend's."""
         if request.greedy:
             raise TTSInputError("Greedy decoding is not offered over the HTTP API: give a seed for a repeatable reply.")
-        source = checkpoint or self.default_checkpoint(OMNI)
-        self._check_served(OMNI, source)
+        source = checkpoint or self.default_checkpoint(OMNI.id)
+        self._check_served(OMNI.id, source)
         with self._call("/v1/chat/completions", chat_body(request, source), key) as (response, connection, started):
-            yield StreamStart(source, self._random_weights(response, OMNI, source), backend=self.url)
+            yield StreamStart(source, self._random_weights(response, OMNI.id, source), backend=self.url)
             end = None
             for item in reply_items(response, connection, self.backend, started):
                 end = item if isinstance(item, ChatEnd) else end

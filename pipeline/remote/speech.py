@@ -17,44 +17,37 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pipeline.engine import DEFAULT_SCHEDULE, Chunk, SamplingConfig
+from pipeline.contract.events import SAMPLE_RATE, SAMPLES_PER_FRAME, Chunk
+from pipeline.contract.models import MODEL_TYPES
 from pipeline.errors import BackendUnavailable
-from pipeline.remote.backend import TASK_NAMES, Backend, StallRule
-from pipeline.request import SpeechRequest
+from pipeline.remote.backend import Backend, StallRule
+from pipeline.request import REQUEST_FIELDS, SpeechRequest, api_fields, default, shipped
 
-SAMPLE_RATE = 24000
-SAMPLES_PER_FRAME = 1920  # 80 ms
 BYTES_PER_FRAME = 2 * SAMPLES_PER_FRAME  # 16-bit mono
-# What the sliders set that vLLM-Omni takes from its deploy config instead of the request.
-UNSENT_TO_VLLM = ("temperature", "top_k", "top_p", "repetition_penalty")
 
 
 def speech_body(request: SpeechRequest, checkpoint: str, ours: bool, reference: str | None) -> dict:
     """The JSON body: raw PCM streamed (`stream` for this app and older vLLM-Omni, `stream_format` for
     current vLLM-Omni, which streams SSE events on `stream` alone); from this app, SSE events, which
-    also carry the warnings of the stream's end (text left unspoken). vLLM-Omni refuses the Base-only
-    fields on other tasks, so each task sends only its own."""
-    body = {"input": request.text, "model": checkpoint, "task_type": TASK_NAMES[request.model_type], "language": request.language,
-            "response_format": "pcm", "stream": True, "stream_format": "sse" if ours else "audio", "seed": request.seed,
-            "max_new_tokens": request.max_frames}
-    if request.model_type == "custom_voice":
-        body.update(voice=request.speaker, instructions=request.instruct or None)
-    elif request.model_type == "voice_design":
-        body["instructions"] = request.instruct
-    elif request.voice_prompt is not None:  # `reference` is then the voice file, base64
-        body["voice_prompt"] = reference
-    else:
-        body.update(ref_audio=reference, ref_text=request.ref_text or None, x_vector_only_mode=request.x_vector_only)
-    if ours:  # this app also takes the sampling settings and the chunk schedule
-        body.update(request.sampling_overrides(), schedule=list(request.schedule))
-    return {name: value for name, value in body.items() if value is not None}
+    also carry the warnings of the stream's end (text left unspoken). The request's fields that the
+    model type takes (vLLM-Omni refuses the Base-only fields on other tasks) and that the server takes
+    per request (this app: all; vLLM-Omni: those its deploy config does not set). `reference`: the
+    recording as a data: URL, or the saved voice as base64."""
+    kind = MODEL_TYPES[request.model_type]
+    body = {"model": checkpoint, "task_type": kind.task_type, "response_format": "pcm", "stream": True, "stream_format": "sse" if ours else "audio"}
+    for name, body_name in api_fields():
+        spec = REQUEST_FIELDS[name]
+        if kind.takes(spec.role) and (ours or spec.vllm):
+            body[body_name] = getattr(request, name)
+    if kind.reference:
+        body[dict(api_fields())["voice_prompt" if request.voice_prompt is not None else "ref_audio"]] = reference
+    return {name: value for name, value in body.items() if value is not None and value != ""}
 
 
 def unsent_settings(request: SpeechRequest) -> list[str]:
     """The settings of `request` that differ from the defaults and that vLLM-Omni does not take per request."""
-    defaults = SamplingConfig()
-    changed = [name for name in UNSENT_TO_VLLM if getattr(request, name) not in (None, getattr(defaults, name))]
-    return changed + (["chunk schedule"] if tuple(request.schedule) != DEFAULT_SCHEDULE else [])
+    return [spec.label or name for name, spec in REQUEST_FIELDS.items()
+            if spec.api is not None and not spec.vllm and spec.role != "reference" and getattr(request, name) not in (None, shipped(name), default(name))]
 
 
 def data_url(path: str | Path) -> str:

@@ -38,12 +38,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pipeline.audio import load_message_audio
-from pipeline.engine import Chunk
+from pipeline.contract.events import MAX_REPLY_TOKENS, SAMPLE_RATE, ChatEnd, Chunk, StreamEnd, StreamStart, TextDelta, Waiting
+from pipeline.contract.models import OMNI
 from pipeline.errors import TTSInputError
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE
-from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, input_error, serve, until_gone
+from pipeline.server.common import Access, ApiError, encode, input_error, serve, until_gone
 from pipeline.server.streaming import steps
-from pipeline.service import MAX_AUDIO_SECONDS, MAX_REPLY_TOKENS, OMNI, ChatEnd, ChatRequest, ModelService, StreamEnd, StreamStart, TextDelta, Turn, Waiting
+from pipeline.service import MAX_AUDIO_SECONDS, ChatRequest, ModelService, Turn
 
 FIELDS = {"model", "messages", "modalities", "audio", "speaker", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p",
           "top_k", "seed"}
@@ -122,12 +123,12 @@ def parse_chat(data: dict, service: ModelService) -> ChatCall:
 
 
 def _omni_checkpoint(model, service: ModelService) -> str:
-    served = service.choices[OMNI]
+    served = service.choices[OMNI.id]
     if model is None:
-        return service.default_checkpoint(OMNI)
+        return service.default_checkpoint(OMNI.id)
     if model in served:
         return model
-    if any(model in checkpoints for kind, checkpoints in service.choices.items() if kind != OMNI):
+    if any(model in checkpoints for kind, checkpoints in service.choices.items() if kind != OMNI.id):
         raise ApiError(400, f"Model '{model}' is a Qwen3-TTS model; chat completions need a Qwen3-Omni model: {', '.join(served)}.", "model")
     raise ApiError(404, f"Model '{model}' is not served here; chat completions take {', '.join(served)}.", "model")
 
@@ -260,7 +261,7 @@ async def _respond(call: ChatCall, service: ModelService, key: str, done: Callab
         start = await run_in_threadpool(next, events)  # the request checked against the checkpoint (voice, control tokens, length) before any work
     except TTSInputError as exc:
         raise input_error(exc) from None
-    reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), start.checkpoint, service.model(OMNI, start.checkpoint).im_end)
+    reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), start.checkpoint, service.model(OMNI.id, start.checkpoint).im_end)
     headers = {"X-Random-Weights": str(start.random_weights).lower()}
     if call.stream:
         return until_gone(_sse(events, call, reply), service, key, done, media_type="text/event-stream", headers=headers)

@@ -19,12 +19,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pipeline.contract import Service
+from pipeline.contract.events import SAMPLE_RATE, Waiting
+from pipeline.contract.running import MAX_UPLOAD_BYTES
 from pipeline.errors import EngineBusy, TTSInputError
 from pipeline.request import load_json
 from pipeline.server.streaming import steps
-from pipeline.service import MAX_UPLOAD_BYTES, ModelService, Waiting
 
-SAMPLE_RATE = 24000
 DISCONNECT_POLL_S = 0.1  # how often a whole (not streamed) response looks for its client having gone
 Call = TypeVar("Call")
 
@@ -167,13 +168,12 @@ async def json_body(request: Request) -> dict:
     return data
 
 
-def until_gone(chunks: Generator[bytes | Waiting, None, None], service: ModelService, key: str, done: Callable[[], None],
+def until_gone(chunks: Generator[bytes | Waiting, None, None], service: Service, key: str, done: Callable[[], None],
                **options) -> StreamingResponse:
     """A streamed response (`options`: StreamingResponse's) of the chunks as `streaming.steps` makes
     them (no thread held between two). However it ends (sent whole, or its client gone, even before
     its body began), the stream under `key` is stopped, which frees its engine row within a frame,
     then `done()`."""
-
     async def body() -> AsyncIterator[bytes]:
         async for chunk in steps(chunks):
             yield chunk

@@ -11,7 +11,10 @@ localhost without a key keeps the API off; a client has at most a few requests i
 Streaming (`"stream": true`, or vllm-omni's `"stream_format": "audio"`) sends the audio as it is made:
 raw 16-bit PCM (`pcm`) or a WAV whose header leaves the length open (`wav`); `"stream_format": "sse"`
 sends OpenAI's Server-Sent Events (`speech.audio.delta` with base64 PCM, then `speech.audio.warning`s
-and `speech.audio.done`); without streaming every format is one file. Warnings (text left unspoken,
+and `speech.audio.done`); without streaming every format is one file. With `"word_timestamps": true`
+(where the text is fed one token per frame: `"non_streaming_mode": false`, or Base's default) an SSE
+stream also sends `speech.audio.words` before its done event: each word's start and end in seconds
+of the audio; a raw stream or a file has nowhere to carry them, so the pair is refused. Warnings (text left unspoken,
 an ignored instruction) come in the `X-Warnings` header (a JSON list): at the end of a whole file,
 at the start of a raw stream (warnings found later reach only SSE clients).
 """
@@ -33,23 +36,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pipeline.engine import Chunk
+from pipeline.contract.events import SAMPLE_RATE, TINY, Chunk, StreamEnd, StreamStart, Waiting
+from pipeline.contract.models import CUSTOM_VOICE, MODEL_TYPES, by_task
 from pipeline.errors import TTSInputError
-from pipeline.request import SpeechRequest
-from pipeline.server.common import SAMPLE_RATE, Access, ApiError, encode, input_error, pcm16, serve, until_gone
+from pipeline.request import REQUEST_FIELDS, SpeechRequest, api_fields
+from pipeline.server.common import Access, ApiError, encode, input_error, pcm16, serve, until_gone
 from pipeline.server.streaming import steps
-from pipeline.service import API_TASK_TYPES, OMNI, TINY, ModelService, StreamEnd, StreamStart, Waiting
+from pipeline.service import ModelService
 
 MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
 STREAMED_FORMATS = ("pcm", "wav")
-TASK_TYPES = {name: kind for name, kind in API_TASK_TYPES.items() if kind != OMNI}  # what /v1/audio/speech speaks
-FIELDS = {"model", "input", "voice", "response_format", "speed", "stream", "stream_format", "task_type", "language", "instructions", "ref_audio",
-          "ref_text", "x_vector_only_mode", "voice_prompt", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "repetition_penalty",
-          "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "schedule"}
-API_NAMES = {"text": "input", "speaker": "voice", "instruct": "instructions", "max_frames": "max_new_tokens"}  # request field -> body field
-# Taken into the engine request as they are (its checks name a bad value); `schedule` is ours: frames per chunk.
-PASSED_FIELDS = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p",
-                 "schedule")
+SPEECH_TASKS = {t.task_type: t.id for t in MODEL_TYPES.values() if t.speech}  # what /v1/audio/speech speaks
+DEFAULT_TASK = CUSTOM_VOICE  # a body that names neither a task nor a model: as in vllm-omni
+API_NAMES = dict(api_fields())  # request field -> body field, for the request fields the API takes
+# The body's fields: the request's, how it names the model, and OpenAI's response options.
+FIELDS = {*API_NAMES.values(), "model", "task_type", "response_format", "speed", "stream", "stream_format"}
 
 
 @dataclass
@@ -72,8 +73,7 @@ def speech_routes(service: ModelService, access: Access | None = None) -> list[R
             access.check(request)
         except ApiError as exc:
             return exc.response()
-        data = [model_entry(service, kind, checkpoint) for kind, checkpoints in service.choices.items() if kind in API_TASK_TYPES.values()
-                for checkpoint in checkpoints]
+        data = [model_entry(service, kind, checkpoint) for kind, checkpoints in service.choices.items() for checkpoint in checkpoints]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(request: Request) -> Response:
@@ -96,7 +96,7 @@ def model_entry(service: ModelService, kind: str, checkpoint: str) -> dict:
     """A checkpoint as /v1/models lists it: OpenAI's fields, vllm-omni's `task_type` (here also "Omni"),
     and ours; a loaded one also names its `voices` (vllm-omni's word for the speakers), languages and
     whether it follows instructions (nothing is loaded to list a checkpoint)."""
-    entry = {"id": checkpoint, "object": "model", "owned_by": "local", "task_type": _task_name(kind), "loaded": service.is_loaded(kind, checkpoint),
+    entry = {"id": checkpoint, "object": "model", "owned_by": "local", "task_type": MODEL_TYPES[kind].task_type, "loaded": service.is_loaded(kind, checkpoint),
              "random_weights": service.random_weights(kind, checkpoint)}
     if entry["loaded"]:
         info = service.info(kind, checkpoint)
@@ -126,28 +126,21 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
     if stream_format == "sse" and response_format != "pcm":
         raise ApiError(400, f"SSE events carry pcm audio, not {response_format}.", "response_format")
     stream = stream or stream_format is not None  # as in vllm-omni: a stream_format streams whatever 'stream' says
+    if data.get("word_timestamps") is True and stream_format != "sse":
+        raise ApiError(400, "Word timestamps come as Server-Sent Events: add \"stream_format\": \"sse\" (with response_format pcm).", "word_timestamps")
     if stream and response_format not in STREAMED_FORMATS:
         raise ApiError(400, f"A streamed response is pcm or wav, not {response_format}.", "response_format")
     model_type, checkpoint = _model(data, service)
-    fields = {k: data[k] for k in PASSED_FIELDS if data.get(k) is not None}
-    if data.get("max_new_tokens") is not None:
-        fields["max_frames"] = data["max_new_tokens"]
+    fields = _request_fields(data, model_type)
     reference = None
-    if model_type != "base" and data.get("voice_prompt") is not None:
-        raise ApiError(400, "'voice_prompt' (a saved voice) is for task_type Base.", "voice_prompt")
-    if model_type == "custom_voice":
-        fields["speaker"] = data.get("voice")
-        fields["instruct"] = data.get("instructions")
-    elif model_type == "voice_design":
-        fields["instruct"] = data.get("instructions")  # required: the request's check says so, as on every surface
-    elif data.get("voice_prompt") is not None:
-        fields["voice_prompt"] = _saved_voice(data)
-    else:
-        reference = _reference_file(data.get("ref_audio"))
-        fields.update(ref_audio=str(reference), ref_text=data.get("ref_text"), x_vector_only=data.get("x_vector_only_mode", False))
+    if MODEL_TYPES[model_type].reference:
+        if data.get("voice_prompt") is not None:
+            fields["voice_prompt"] = _saved_voice(data)
+        else:
+            reference = _reference_file(data.get("ref_audio"))
+            fields["ref_audio"] = str(reference)
     try:
-        request = SpeechRequest(text, language=data.get("language") or "auto", model_type=model_type, checkpoint=checkpoint,
-                                **{k: v for k, v in fields.items() if v is not None}).validate()
+        request = SpeechRequest(text, model_type=model_type, checkpoint=checkpoint, **fields).validate()
     except (TTSInputError, TypeError) as exc:
         _remove(reference)
         field = getattr(exc, "field", None)  # a TypeError names none
@@ -155,30 +148,47 @@ def parse_speech(data: dict, service: ModelService) -> SpeechCall:
     return SpeechCall(request, response_format, stream, reference, events=stream_format == "sse")
 
 
+def _request_fields(data: dict, model_type: str) -> dict:
+    """The request fields the body sets, of those the model type takes (vllm-omni's clients send OpenAI's
+    `voice` with every task, for one); text left empty counts as left out. The reference recording
+    and the saved voice, which come as base64, are the caller's."""
+    kind = MODEL_TYPES[model_type]
+    if not kind.reference and data.get("voice_prompt") is not None:
+        takers = ", ".join(t.task_type for t in MODEL_TYPES.values() if t.reference)
+        raise ApiError(400, f"'voice_prompt' (a saved voice) is for task_type {takers}.", "voice_prompt")
+    fields = {}
+    for name, body in API_NAMES.items():
+        spec, value = REQUEST_FIELDS[name], data.get(body)
+        if name in ("text", "ref_audio", "voice_prompt") or value is None or (spec.kind == "text" and value == "") or not kind.takes(spec.role):
+            continue
+        fields[name] = value
+    return fields
+
+
 def _served(model: str, task: str | None, service: ModelService) -> tuple[str, str]:
     """(model type, checkpoint) of a listed checkpoint named by id (and task, where an id serves several)."""
-    if task is not None and task not in API_TASK_TYPES:
-        raise ApiError(400, f"'task_type' is one of {', '.join(API_TASK_TYPES)}, not '{task}'.", "task_type")
-    kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in API_TASK_TYPES.values()]
-    if task is not None:
-        kinds = [kind for kind in kinds if kind == API_TASK_TYPES[task]]
+    kind = by_task(task) if isinstance(task, str) else None
+    if task is not None and kind is None:
+        raise ApiError(400, f"'task_type' is one of {', '.join(t.task_type for t in MODEL_TYPES.values())}, not '{task}'.", "task_type")
+    kinds = [k for k, checkpoints in service.choices.items() if model in checkpoints and (kind is None or k == kind.id)]
     if not kinds:
         raise ApiError(404, f"Model '{model}' is not served here{f' for {task}' if task else ''} (GET /v1/models lists them).", "model")
     if len(kinds) > 1:
-        raise ApiError(400, f"Model '{model}' serves {', '.join(_task_name(k) for k in kinds)}: add ?task_type=.", "task_type")
+        raise ApiError(400, f"Model '{model}' serves {', '.join(MODEL_TYPES[k].task_type for k in kinds)}: add ?task_type=.", "task_type")
     return kinds[0], model
 
 
 def _model(data: dict, service: ModelService) -> tuple[str, str]:
     task = data.get("task_type")
-    if task is not None and (not isinstance(task, str) or task not in TASK_TYPES):
-        raise ApiError(400, f"'task_type' is one of {', '.join(TASK_TYPES)}, not '{task}'.", "task_type")
+    if task is not None and (not isinstance(task, str) or task not in SPEECH_TASKS):
+        raise ApiError(400, f"'task_type' is one of {', '.join(SPEECH_TASKS)} (default: {DEFAULT_TASK.task_type}), not '{task}'.", "task_type")
     model = data.get("model")
-    kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in TASK_TYPES.values()]
+    speech = SPEECH_TASKS.values()
+    kinds = [kind for kind, checkpoints in service.choices.items() if model in checkpoints and kind in speech]
     if model is not None and model != TINY and not kinds:
-        served = sorted({c for kind, cs in service.choices.items() if kind in TASK_TYPES.values() for c in cs})
+        served = sorted({c for kind, cs in service.choices.items() if kind in speech for c in cs})
         raise ApiError(404, f"Model '{model}' is not served here (GET /v1/models lists them: {', '.join(served)}).", "model")
-    model_type = TASK_TYPES[task] if task else (kinds[0] if kinds else "custom_voice")
+    model_type = SPEECH_TASKS[task] if task else (kinds[0] if kinds else DEFAULT_TASK.id)
     if kinds and model_type not in kinds:
         raise ApiError(400, f"Model '{model}' does not do {task}.", "task_type")
     return model_type, model if model is not None else service.default_checkpoint(model_type)
@@ -267,6 +277,8 @@ def _streamed(stream: Iterator[StreamStart | Chunk | StreamEnd | Waiting], call:
             elif isinstance(item, StreamEnd) and call.events:
                 for warning in item.warnings:
                     yield sse({"type": "speech.audio.warning", "message": warning})
+                if item.words is not None:
+                    yield sse({"type": "speech.audio.words", "words": item.words})
                 yield sse({"type": "speech.audio.done"})
     finally:
         stream.close()
@@ -278,10 +290,6 @@ def wav_header(data_bytes: int) -> bytes:
     riff = 0xFFFFFFFF if data_bytes == 0xFFFFFFFF else 36 + data_bytes
     return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, SAMPLE_RATE * 2, 2, 16)
             + b"data" + struct.pack("<I", data_bytes))
-
-
-def _task_name(model_type: str) -> str:
-    return next(name for name, kind in API_TASK_TYPES.items() if kind == model_type)
 
 
 def _remove(path: Path | None) -> None:

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
-from pipeline.engine import Waiting
+from pipeline.contract.events import Waiting
 
 Item = TypeVar("Item")
 _END = object()

@@ -1,18 +1,21 @@
-"""What the front doors (the UI's tabs, the listening renderer) ask of the models behind them: the
-`Service` protocol, which `pipeline.service.ModelService` (models in this process) and
-`pipeline.remote.RemoteService` (another server's, over HTTP) both implement. Imports neither torch
-nor gradio: the types it names are only annotations."""
+"""The contract at the pipeline's edges, importing neither torch nor gradio: what the front doors (the
+UI's tabs, the HTTP server, the listening renderer) ask of the models behind them, the `Service`
+protocol, which `pipeline.service.ModelService` (models in this process) and
+`pipeline.remote.RemoteService` (another server's, over HTTP) both implement.
+
+events.py: the records a stream yields and the audio constants. models.py: the model-type registry.
+running.py: what both services do alike without a model. The request schema is `pipeline.request`."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from pipeline.contract.events import ChatEnd, Chunk, Fallback, ModelInfo, Queued, StreamEnd, StreamStart, TextDelta, VoiceInfo, Waiting
+
 if TYPE_CHECKING:
-    from pipeline.engine import Chunk, Queued, Waiting
-    from pipeline.omni import ChatEnd, ChatRequest, TextDelta
+    from pipeline.omni import ChatRequest
     from pipeline.request import SpeechRequest
-    from pipeline.service import Fallback, ModelInfo, StreamEnd, StreamStart, VoiceInfo
 
 
 @runtime_checkable

@@ -1,0 +1,318 @@
+"""The engine's policy, driven frame by frame by hand: no model, no threads, no clock (time is passed
+in). FIFO admission and queue positions, a cancel freeing its row for the next frame, chunk cuts,
+vocoder lanes, the ends of segments and requests with their warnings, rows waiting for text,
+admission that keeps playing streams ahead, and the runaway guard (frame budget, loops)."""
+import numpy as np
+import pytest
+import torch
+
+from pipeline.engine.core import Job, Segment
+from pipeline.engine.scheduler import (
+    EARLY_CHUNKS,
+    LOOP_FRAMES,
+    Admission,
+    Emit,
+    Finish,
+    LoopWatch,
+    Request,
+    Scheduler,
+    StartSegment,
+    StepOutput,
+    frame_budget,
+    keeps_ahead,
+    vocoder_lane,
+)
+from pipeline.errors import EngineBusy
+
+EOS = 2150
+ROOM = 2000  # frames a row holds after any prompt here
+PROMPT = 10
+
+
+class Listener:
+    """Stands for a caller's handle: the scheduler only carries it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def segment(chars: int = 40, text_tokens: int = 10, trailing: int = 0, text_end: bool = True) -> Segment:
+    return Segment(torch.zeros(1, PROMPT, 4), torch.zeros(trailing, 4), text_end, chars=chars, text_tokens=text_tokens)
+
+
+def request(name: str, max_frames: int = 500, schedule=(1, 2, 4), segments: list[Segment] | None = None, segment_frames: int | None = None) -> Request:
+    job = Job(segments or [segment()], None, 0, max_frames, tuple(schedule), segment_frames=segment_frames)
+    return Request(Listener(name), job, list(job.segments))
+
+
+def scheduler(rows: int = 2, lanes: int = 1, **options) -> Scheduler:
+    return Scheduler(rows, lanes, EOS, lambda positions: ROOM - positions, **options)
+
+
+class Frames:
+    """Layer-0 codes that never repeat, as speech's do not: no loop to stop."""
+
+    def __init__(self):
+        self.next = 0
+
+    def __call__(self) -> int:
+        self.next += 1
+        return self.next
+
+
+def step(sched: Scheduler, schedule, codes: dict[int, int], now: float = 0.0, eos=(), prefill_ms=None) -> list:
+    """The step's output: `codes` maps each row that made a frame to its layer-0 code; rows in `eos` end there."""
+    rows = len(sched.rows)
+    produced = np.zeros(rows, dtype=bool)
+    frame = np.zeros((rows, 16), dtype=np.int64)
+    tokens = np.full(rows, 7, dtype=np.int64)
+    for row, code in codes.items():
+        produced[row] = True
+        frame[row] = code
+    tokens[list(eos)] = EOS
+    return sched.update_from_output(schedule, StepOutput(produced, frame, tokens, now, 1.0, prefill_ms or {}))
+
+
+def run(sched: Scheduler, frames: int, codes=None, start: float = 0.0, period: float = 0.01) -> list:
+    """`frames` frames in which every occupied row makes a frame; the actions of all of them."""
+    codes = codes or Frames()
+    actions = []
+    for i in range(frames):
+        schedule = sched.schedule(start + i * period)
+        actions += step(sched, schedule, {row: codes() for row, epoch in enumerate(schedule.running) if epoch is not None}, start + i * period)
+    return actions
+
+
+def of(actions: list, kind, name: str | None = None) -> list:
+    return [a for a in actions if isinstance(a, kind) and (name is None or a.handle.name == name)]
+
+
+def test_admission_is_first_in_first_out_with_positions():
+    sched = scheduler(rows=1)
+    a, b, c = request("a"), request("b"), request("c")
+    assert sched.add(a) is None  # a free row: no wait to announce
+    assert sched.add(b) == 1 and sched.add(c) == 2
+    first = sched.schedule(0.0)
+    assert [(x.row, x.request) for x in first.admitted] == [(0, a)]
+    assert first.positions == [(b.handle, 0), (c.handle, 1)]
+    assert sched.schedule(0.01).admitted == [] and sched.schedule(0.01).positions == []  # nothing changed, nothing announced
+    assert sched.cancel(b.handle) == Finish(None, b.handle)
+    assert sched.positions() == [(c.handle, 0)]
+    actions = step(sched, sched.schedule(0.02), {0: 1}, eos=[0])
+    assert of(actions, Finish, "a")
+    assert [x.request for x in sched.schedule(0.03).admitted] == [c]
+
+
+def test_a_full_queue_refuses():
+    sched = scheduler(rows=1, max_queue=2)
+    sched.add(request("a"))
+    sched.add(request("b"))
+    with pytest.raises(EngineBusy, match="2 requests ahead; try again shortly"):
+        sched.add(request("c"))
+
+
+def test_a_cancel_frees_the_row_for_the_next_frame():
+    sched = scheduler(rows=1)
+    a, b = request("a"), request("b")
+    sched.add(a)
+    sched.add(b)
+    schedule = sched.schedule(0.0)
+    assert sched.cancel(a.handle).row == 0
+    assert step(sched, schedule, {0: 1}) == []  # the frame in flight for it is dropped
+    assert [(x.row, x.request) for x in sched.schedule(0.01).admitted] == [(0, b)]
+
+
+def test_idle_admits_every_free_row_and_a_running_batch_a_few_per_frame():
+    sched = scheduler(rows=8, prefills_per_frame=2)
+    for name in "abcde":
+        sched.add(request(name))
+    assert len(sched.schedule(0.0).admitted) == 5
+    for name in "fgh":
+        sched.add(request(name))
+    assert len(sched.schedule(0.01).admitted) == 2 and len(sched.schedule(0.02).admitted) == 1
+
+
+def test_chunks_follow_the_schedule_and_the_last_one_takes_the_rest():
+    sched = scheduler(rows=1)
+    sched.add(request("a", schedule=(1, 2, 4)))
+    actions = run(sched, 11)
+    actions += step(sched, sched.schedule(1.0), {0: 999}, eos=[0])
+    assert [len(e.codes) for e in of(actions, Emit)] == [1, 2, 4, 4, 1]
+    assert [e.index for e in of(actions, Emit)] == [0, 1, 2, 3, 4]
+    assert np.array_equal(np.concatenate([e.codes for e in of(actions, Emit)])[:, 0], [*range(1, 12), 999])
+    assert isinstance(actions[-1], Finish) and actions[-1].warnings == [] and actions[-1].segment_frames == [12]
+
+
+def test_first_chunks_and_steady_chunks_take_lanes_of_their_own():
+    assert [vocoder_lane(row, 0, 4) for row in range(4)] == [0, 1, 0, 1]
+    assert [vocoder_lane(row, EARLY_CHUNKS, 4) for row in range(4)] == [2, 3, 2, 3]
+    assert [vocoder_lane(row, chunk, 3) for row in range(2) for chunk in (0, EARLY_CHUNKS)] == [0, 2, 1, 2]
+    assert {vocoder_lane(row, chunk, 1) for row in range(3) for chunk in range(6)} == {0}
+    sched = scheduler(rows=2, lanes=4)
+    sched.add(request("a", schedule=(1,)))
+    sched.add(request("b", schedule=(1,)))
+    admitted = sched.schedule(0.0).admitted
+    assert [x.lane for x in admitted] == [0, 1]  # each row's vocoder state is reset where its first chunk goes
+    actions = run(sched, 6)
+    assert [e.lane for e in of(actions, Emit, "a")] == [0, 0, 0, 0, 2, 2]
+    assert [e.lane for e in of(actions, Emit, "b")] == [1, 1, 1, 1, 3, 3]
+
+
+def test_a_row_out_of_text_waits_without_frames():
+    sched = scheduler(rows=2)
+    sched.add(request("a", schedule=(2,)))
+    sched.add(request("b", schedule=(2,)))
+    sched.schedule(0.0)
+    actions = []
+    for i in range(5):  # row 1 waits for text in frames 1 to 3
+        actions += step(sched, sched.schedule(i * 0.01), {0: 10 + i} if i in (1, 2, 3) else {0: 10 + i, 1: 20 + i}, i * 0.01)
+    assert [e.codes[:, 0].tolist() for e in of(actions, Emit, "b")] == [[20, 24]]  # its chunk spans the wait
+    assert sched.rows[1].total == 2 and sched.rows[0].total == 5
+
+
+def test_eos_ends_the_request_after_its_last_chunk():
+    sched = scheduler(rows=1)
+    a = request("a", schedule=(4,))
+    sched.add(a)
+    actions = run(sched, 2)
+    actions += step(sched, sched.schedule(0.1), {0: 5}, eos=[0])
+    assert [type(x) for x in actions] == [Emit, Finish]
+    assert len(actions[0].codes) == 3 and actions[1] == Finish(0, a.handle, [], [3])
+    assert sched.rows == [None]
+
+
+def test_a_requests_own_frame_limit_leaves_later_segments_unspoken():
+    sched = scheduler(rows=1)
+    sched.add(request("a", max_frames=5, segments=[segment(chars=30), segment(chars=20), segment(chars=12)]))
+    (finish,) = of(run(sched, 5), Finish)
+    assert finish.segment_frames == [5]
+    assert finish.warnings == ["The request's frame limit (5 frames, 0.4 s) was reached in segment 1 of 3: the rest of it and the last 2 segments "
+                               "(32 characters) of the text went unspoken; raise the length limit or leave it at its default."]
+
+
+def test_segments_cut_at_their_own_limit_are_named_and_the_next_segment_starts():
+    sched = scheduler(rows=1)
+    sched.add(request("a", segments=[segment(), segment(), segment()], segment_frames=3))
+    starts = [x.start for x in sched.schedule(0.0).admitted]
+    actions = []
+    for i in range(8):
+        schedule = sched.schedule(i * 0.01)
+        actions += step(sched, schedule, {0: 100 + i}, i * 0.01, eos=[0] if i == 4 else [])
+    starts += of(actions, StartSegment)
+    assert [(s.segment, s.budget) for s in starts] == [(0, 3), (1, 3), (2, 3)]
+    (finish,) = of(actions, Finish)
+    assert finish.segment_frames == [3, 2, 3]
+    assert finish.warnings == ["2 of 3 segments (1, 3) reached the frame limit of one segment (3 frames, 0 s) and were cut there; "
+                               "shorter sentences avoid this."]
+
+
+def test_a_step_launched_before_a_segment_ended_gives_the_next_segment_nothing():
+    sched = scheduler(rows=1)
+    sched.add(request("a", schedule=(1,), segments=[segment(), segment()]))
+    first = sched.schedule(0.0)
+    second = sched.schedule(0.01)  # launched before the first step's codes are read
+    actions = step(sched, first, {0: 1}, eos=[0])
+    assert of(actions, StartSegment) and sched.rows[0].segment == 1
+    assert step(sched, second, {0: 2}) == []  # the old segment's frame
+    assert [e.codes[0, 0] for e in of(step(sched, sched.schedule(0.02), {0: 3}), Emit)] == [3]
+
+
+def test_the_text_budget_stops_a_segment_that_does_not_end():
+    sched = scheduler(rows=1)
+    sched.add(request("a", max_frames=1000, segments=[segment(text_tokens=3)]))
+    budget = frame_budget(3)
+    assert budget == 136
+    actions = run(sched, budget)
+    (finish,) = of(actions, Finish)
+    assert finish.segment_frames == [budget] and sum(len(e.codes) for e in of(actions, Emit)) == budget
+    assert finish.warnings == ["The model did not end the utterance; stopped after 10.9 s, 11.3x the expected length."]
+
+
+def test_without_a_token_count_the_characters_stand_in():
+    sched = scheduler(rows=1)
+    sched.add(request("a", segments=[segment(chars=2, text_tokens=0)]))
+    (finish,) = of(run(sched, frame_budget(2)), Finish)
+    assert finish.segment_frames == [frame_budget(2)]
+
+
+def test_streamed_text_grows_the_budget():
+    sched = scheduler(rows=1)
+    sched.add(request("a", max_frames=1000, segments=[segment(chars=0, text_tokens=0, trailing=1, text_end=False)]))
+    sched.schedule(0.0)
+    sched.text_arrived(0, 4)  # five text positions now: 160 frames
+    actions = run(sched, frame_budget(1))
+    assert not of(actions, Finish)
+    (finish,) = of(run(sched, frame_budget(5) - frame_budget(1)), Finish)
+    assert finish.segment_frames == [frame_budget(5)] and "did not end the utterance" in finish.warnings[0]
+
+
+def test_a_runaway_segment_of_several_is_named_and_the_next_one_speaks():
+    sched = scheduler(rows=1)
+    sched.add(request("a", segments=[segment(text_tokens=1), segment(text_tokens=1)]))
+    actions = run(sched, frame_budget(1) + 1)
+    assert len(of(actions, StartSegment)) == 1 and not of(actions, Finish)
+    (finish,) = of(run(sched, frame_budget(1) - 1), Finish)
+    assert finish.warnings == ["The model did not end segment 1 of 2; stopped after 9.0 s, 28.0x the expected length.",
+                               "The model did not end segment 2 of 2; stopped after 9.0 s, 28.0x the expected length."]
+
+
+@pytest.mark.parametrize("period", [1, 3, 8])
+def test_codes_in_a_loop_end_the_segment(period):
+    sched = scheduler(rows=1)
+    sched.add(request("a", segments=[segment(text_tokens=100)]))
+    speech = Frames()
+    actions = run(sched, 20, speech)
+    pattern = [1000 + i for i in range(period)]
+    looping = iter(pattern * LOOP_FRAMES)
+    actions += run(sched, LOOP_FRAMES, lambda: next(looping))
+    (finish,) = of(actions, Finish)
+    assert finish.segment_frames == [20 + LOOP_FRAMES]
+    what = "one frame" if period == 1 else f"a {period}-frame pattern"
+    assert finish.warnings == [f"The speech fell into a loop ({what} repeated for {LOOP_FRAMES} frames, 6 s); stopped after 7.6 s."]
+
+
+def test_the_loop_watch_needs_the_whole_span():
+    watch = LoopWatch(period=4, frames=12)
+    assert [watch.add(code) for code in [5, 6, 7] * 3 + [5, 6]] == [None] * 11
+    assert watch.add(7) == 3
+    watch = LoopWatch(period=4, frames=12)
+    assert all(watch.add(code) is None for code in [1, 2, 3, 4, 5] * 10)  # a period longer than watched
+
+
+def test_keeps_ahead_protects_a_stream_about_to_run_dry_and_only_it():
+    margin, step_s, prefill_s = 0.05, 0.01, 0.03
+    assert keeps_ahead([], 4, 4, step_s, prefill_s, margin)  # nothing playing yet: admit
+    assert keeps_ahead([(1.5, 16), (2.0, 3)], 2, 2, step_s, prefill_s, margin)  # comfortable
+    assert not keeps_ahead([(1.5, 16), (0.09, 1)], 2, 1, step_s, prefill_s, margin)  # 0.09 - 0.01 - 0.03 - 0.005 < 0.05
+    assert keeps_ahead([(1.5, 16), (0.09, 1)], 2, 0, step_s, prefill_s, margin)
+    assert keeps_ahead([(0.02, 1)], 1, 1, step_s, prefill_s, margin)  # under the margin whatever happens: holding the queue would not help
+    assert keeps_ahead([(0.2, 4)], 1, 1, step_s, prefill_s, margin) and not keeps_ahead([(0.2, 4)], 1, 3, step_s, prefill_s, margin)
+
+
+def test_a_request_waits_while_admitting_it_would_drain_a_playing_stream():
+    sched = scheduler(rows=2)
+    a, b = request("a", schedule=(1, 2)), request("b")
+    sched.add(a)
+    (admission,) = sched.schedule(0.0).admitted
+    assert isinstance(admission, Admission)
+    step(sched, sched.schedule(0.0), {0: 1}, 0.0, prefill_ms={0: 30.0})  # chunk 0 (80 ms of audio) plays from t = 0
+    step(sched, sched.schedule(0.01), {0: 2}, 0.01)  # frames every 10 ms; chunk 1 needs one more
+    assert (sched.step_s, sched.prefill_s) == (pytest.approx(0.01), pytest.approx(0.03))
+    assert sched.add(b) is None
+    held = sched.schedule(0.01)  # a's lead: 70 ms, 60 ms at its next chunk, 20 ms with b's prefill and a slower step
+    assert held.admitted == [] and held.positions == [(b.handle, 0)]
+    step(sched, held, {0: 3}, 0.02)  # chunk 1 lands: 240 ms given, 20 ms played
+    admitted = sched.schedule(0.02)
+    assert [x.request for x in admitted.admitted] == [b] and admitted.positions == []
+
+
+def test_a_stream_without_its_first_chunk_does_not_hold_the_queue():
+    sched = scheduler(rows=2)
+    sched.add(request("a", schedule=(16,)))
+    sched.schedule(0.0)
+    run(sched, 5, start=0.0)
+    sched.add(request("b"))
+    assert len(sched.schedule(0.05).admitted) == 1
