@@ -123,7 +123,7 @@ class BatchDecoder:
         config = talker.config
         weight = talker.codec_head.weight
         device, dtype = weight.device, weight.dtype
-        self.talker, self.rows, self.max_seq, self.settings = talker, rows, max_seq, settings
+        self.talker, self.rows, self.max_seq = talker, rows, max_seq
         talker.model.setup_caches(rows, max_seq)
         talker.code_predictor.model.setup_caches(rows, config.num_code_groups)
         self.vocab = config.vocab_size
