@@ -40,6 +40,7 @@ class Prompt:
     prefill: torch.Tensor  # [1, L, hidden]
     trailing_text: torch.Tensor  # [T, hidden]: text fed alongside generated frames 0..T-1
     tts_pad: torch.Tensor  # [hidden]: fed alongside frames after the text has run out
+    text_tokens: int  # tokens of the text itself, without its framing (what the runaway guard's frame budget counts)
 
 
 @dataclass
@@ -102,7 +103,7 @@ def build_prompt(
     else:
         parts.append(talker.embed_text(text_body[:, :1]) + bos)
         trailing = torch.cat([talker.embed_text(text_body[:, 1:]), tts_eos], dim=1)
-    return Prompt(torch.cat(parts, dim=1), trailing[0], tts_pad[0, 0])
+    return Prompt(torch.cat(parts, dim=1), trailing[0], tts_pad[0, 0], text_body.shape[1])
 
 
 def _icl_body(

@@ -309,8 +309,7 @@ class TTS:
         per_segment = self.default_max_frames()
         max_frames = per_segment * len(segments) if request.max_frames is None else request.max_frames
         job = Job(
-            [Segment(p.prefill, p.trailing_text, True, chars=len(segment), text_tokens=len(self.text_tokenizer(segment)["input_ids"]))
-             for p, segment in zip(prompts, segments)],
+            [Segment(p.prefill, p.trailing_text, True, chars=len(segment), text_tokens=p.text_tokens) for p, segment in zip(prompts, segments)],
             sampling,
             seed,
             max_frames,
