@@ -19,7 +19,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import soundfile as sf
+
+from benchmarks.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VOICES = sorted((REPO / "assets" / "voices").glob("*.wav"))
@@ -53,10 +54,6 @@ def write_session(root: Path, clip_seconds: float, trials: int) -> str:
     return f"name: capacity\ntest: ab\ntrials_per_listener: {trials}\nsystems:\n{systems}items:\n{things}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_app(sessions: Path, port: int) -> subprocess.Popen:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import threading
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.ports import free_port
 from benchmarks.speed import random_tts, report_header, save_figure, write_report
 from pipeline.engine import Chunk
 from pipeline.released import SIZES
@@ -356,10 +356,6 @@ def sweep(target: Target, paths: list[str], rates: list[float], duration: float,
 
 # ---- the models ----------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(target: Target) -> None:

@@ -21,7 +21,8 @@ import os
 import platform
 from pathlib import Path
 
-from benchmarks.click_to_first_sound import CHROMIUM, CHROMIUM_ARGS, WAIT_MS, free_port, start_app
+from benchmarks.click_to_first_sound import CHROMIUM, CHROMIUM_ARGS, WAIT_MS, start_app
+from benchmarks.ports import free_port
 
 VIEWPORT = {"width": 1366, "height": 768}
 MESSAGE = "Tell me a very short bedtime story about a lighthouse."

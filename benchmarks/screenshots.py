@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from PIL import Image
+
+from benchmarks.ports import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -29,10 +30,6 @@ MAX_SECONDS = 2  # the speech tabs' Max length: a short utterance, as a newcomer
 OMNI_TOKENS = 40  # the Omni chat's reply length in tokens
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_app() -> tuple[str, Callable[[], None]]:

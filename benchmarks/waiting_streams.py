@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,16 +27,14 @@ from urllib.parse import urljoin
 
 import httpx
 
+from benchmarks.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 TEXT = ("The streaming demo speaks while it is still writing the rest of the sentence, and the page that shows it "
         "should answer at once, however many listeners wait for their turn. ") * 3
 TASKS = ({"task_type": "CustomVoice", "voice": "ryan"}, {"task_type": "VoiceDesign", "instructions": "A calm, low female voice."})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_app(port: int) -> subprocess.Popen:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.load import CHECKPOINT, LANGUAGE, SPEAKER, Target, free_port, precision, real_size_target, sizes_to_run, tiny_target
+from benchmarks.load import CHECKPOINT, LANGUAGE, SPEAKER, Target, precision, real_size_target, sizes_to_run, tiny_target
+from benchmarks.ports import free_port
 from benchmarks.speed import report_header, write_report
 from pipeline.released import SIZES
 from pipeline.server import Access, stream_routes
