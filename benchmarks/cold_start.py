@@ -47,9 +47,12 @@ class KernelCache:
 
 
 def dynamo_seconds() -> float:
-    """Seconds torch.compile has spent so far (dynamo, AOT and inductor), from dynamo's own timers."""
-    from torch._dynamo.utils import compilation_time_metrics
-
+    """Seconds torch.compile has spent so far (dynamo, AOT and inductor), from dynamo's own timers;
+    0 where nothing imported dynamo (importing it here would add its import to the start measured)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    compilation_time_metrics = utils.compilation_time_metrics
     return sum(sum(times) for name, times in compilation_time_metrics.items() if name in ("_compile.compile_inner", "compile_inner"))
 
 
@@ -86,7 +89,7 @@ def child(checkpoint: str, size: str, listeners: int, frames: int, profile: bool
     burst = run_streams(tts, listeners, frames, 0.0)
     phase("burst", ready, before)
     found = {"size": size, "ready_s": ready - started, "phases": phases, "burst": burst, "compiled_during_burst": phases["burst"]["kernels"],
-             "gpu": torch.cuda.get_device_name(), "torch_compiles": torch._dynamo.utils.compile_times(repr="str")}
+             "gpu": torch.cuda.get_device_name(), "torch_compiles": sys.modules["torch._dynamo.utils"].compile_times(repr="str") if "torch._dynamo.utils" in sys.modules else ""}
     if profile:
         found["profile"] = profile_lines(profiler)
     return found

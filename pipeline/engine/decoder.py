@@ -36,7 +36,7 @@ from pipeline.graphs import CUDAGraphed
 
 # pipeline.kernels imports Triton only when a kernel runs; its submodule sampling imports it at its own
 # import, so it is imported where the frame runs in kernels: a CPU-only install has no Triton.
-from pipeline.kernels import FrameText, RowState, fused_available, fused_decode, fused_decode_logits, fused_linear, fused_sample, fused_supported
+from pipeline.kernels import FrameText, RowState, fused_available, fused_decode, fused_decode_logits, fused_linear, fused_prefill, fused_sample, fused_supported
 from pipeline.kernels.config import KernelConfig
 from pipeline.model import Talker, Transformer, prefill_layer
 
@@ -80,8 +80,8 @@ class DecodeConfig:
     and handed down whole: nothing in the decoder reads a setting from elsewhere.
 
     `rows` utterances at once over caches of `max_seq` positions; `graphs`: the step, prefill and
-    extension as CUDA graphs (CUDA only); `compiled`: the prefill layer and the PyTorch path's step
-    torch.compile'd; `fused`: the transformer layers of the step in pipeline.kernels' Triton kernels,
+    extension as CUDA graphs (CUDA only); `compiled`: the PyTorch path's step and, where the fused
+    kernels do not prefill, the prefill layer torch.compile'd; `fused`: the transformer layers of the step in pipeline.kernels' Triton kernels,
     and on CUDA its sampling too; `frame_kernels`: with `fused` and dense layers in both transformers,
     the whole frame in kernels (`_frame_in_kernels`: sampling, code embeddings, the talker's input and
     head, the logit processors and the commit of the row state inside them), else that glue in
@@ -169,25 +169,20 @@ class BatchDecoder:
         self.fused, self.frame_kernels, self.kernels = settings.fused, settings.frame_kernels, settings.kernels
         self.talker_decode = self._decode_step(talker.model, compiled)
         self.predictor_logits = self._logits_step(talker.code_predictor.model, compiled)
-        self.talker_prefill = talker.model.prefill
         self.talker_extend = talker.model.extend
         self.sample, self.noise = sample_rows, exponential_noise
         self.embed_codes = talker.embed_codes
-        if compiled:
+        if compiled and not self.frame_kernels:
             # Every model in the process adds entries to dynamo's cache; the default limit of 8 would stop the third.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             options = dict(fullgraph=True, dynamic=False)
             self.sample, self.noise = torch.compile(sample_rows, **options), torch.compile(exponential_noise, **options)
             self.embed_codes = torch.compile(talker.embed_codes, **options)  # 16 lookups and their sum: one kernel
-            # One compile of one layer for every layer and every bucket length. Eager, a prefill is ~50
-            # kernels a layer: on an H100 the 0.6B's graph of 32 positions takes 4.34 ms against 1.36
-            # compiled, a stall for the running rows. Compiling the whole stack instead (as fast: 1.33
-            # ms) took 49 s of a cold start, 25 s with warm caches (dynamo traced all 28 layers each time).
-            self.talker_prefill = partial(talker.model.prefill, layer_step=torch.compile(prefill_layer, fullgraph=True, dynamic=True))
         if self.fused and device.type == "cuda":
             # One kernel instead of a sort, two softmaxes, a scan and an argmax, 16 times a frame
             # (not on CPU: Triton's interpreter takes a third of a second per row).
             self.sample = partial(fused_sample, config=self.kernels)
+        self.talker_prefill = self._prefill_function(talker.model, compiled)
         project = talker.code_predictor.small_to_mtp_projection
         projects = isinstance(project, torch.nn.Linear)  # the 1.7B's: the talker is wider than its code predictor
         if self.frame_kernels:
@@ -218,6 +213,18 @@ class BatchDecoder:
         self.extend_in = zeros(1, 1, config.hidden_size, dtype=dtype)
         self.extend_pos = zeros(1, 1)
         self.extend_graph = CUDAGraphed(self._extend_one, self.use_cuda_graphs, priority=GENERATION_PRIORITY)
+
+    def _prefill_function(self, model: Transformer, compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """(x [1, L, hidden], row [1]) -> `model.prefill(x, row)`: pipeline.kernels' prefill where the fused kernels run on a
+        GPU and apply (dense layers), else the module's, its layer torch.compile'd where `compiled`. Eager, a prefill is ~50
+        kernels a layer: on an H100 the 0.6B's graph of 32 positions takes 4.34 ms against 1.36 with the layer compiled, a
+        stall for the running rows; the kernels' prefill needs no compile by torch.compile at start."""
+        if self.fused and model.norm.weight.is_cuda and fused_supported(model):
+            return partial(fused_prefill, model)
+        if compiled:
+            # One compile of one layer serves every layer and every bucket length.
+            return partial(model.prefill, layer_step=torch.compile(prefill_layer, fullgraph=True, dynamic=True))
+        return model.prefill
 
     def _decode_step(self, model: Transformer, compiled: bool):
         """`model`'s decode step: the fused kernels where asked for and they apply (dense layers), else the module's own."""

@@ -1,7 +1,8 @@
 """Fused Triton kernels for the decode step: `fused_decode` (five kernels per transformer layer),
 `fused_decode_logits` (the same, then the final norm and an output head in one kernel, optionally
-writing the normed state too) and `fused_sample` (the sampling chain in one kernel) are the entry
-points; `pipeline.kernels.sampling` also has the frame's glue as kernels (`code_step`, `next_token`).
+writing the normed state too), `fused_sample` (the sampling chain in one kernel) and
+`fused_prefill` (a prompt's prefill without torch.compile) are the entry points;
+`pipeline.kernels.sampling` also has the frame's glue as kernels (`code_step`, `next_token`).
 
 `fused_decode` computes what `Transformer.decode` computes, for every cache row at once, reading
 the same modules' weights and writing the same KV caches, so the rest of the engine is unchanged.
@@ -138,6 +139,13 @@ def _workspace(model: Transformer) -> "Workspace":
     from pipeline.kernels.decode import Workspace
 
     return _WORKSPACES.setdefault(model, Workspace())
+
+
+def fused_prefill(model: Transformer, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """`model.prefill(x, row)` in pipeline.kernels.prefill's kernels, cuBLAS's matmuls and SDPA's attention."""
+    from pipeline.kernels.prefill import prefill
+
+    return prefill(model, x, row)
 
 
 def fused_sample(logits: torch.Tensor, settings: "RowSampling", noise: torch.Tensor, config: KernelConfig) -> torch.Tensor:
