@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pipeline.codec import SpeechTokenizer, SpeechTokenizerConfig
+from pipeline.loading import load_text_tokenizer
 from pipeline.model import Qwen3TTS, TTSConfig
 from pipeline.released import SIZES, real_size_config
 from pipeline.request import SpeechRequest
@@ -39,8 +40,6 @@ FRAME_S = 0.08
 
 @torch.no_grad()
 def random_tts(size: str, model_type: str, device: str, dtype: torch.dtype, workdir: Path, **options) -> TTS:
-    from transformers import AutoTokenizer
-
     special_ids = write_tiny_text_tokenizer(workdir)
     config = TTSConfig.from_dict(real_size_config(size, model_type, special_ids))
     torch.manual_seed(0)
@@ -56,7 +55,7 @@ def random_tts(size: str, model_type: str, device: str, dtype: torch.dtype, work
     randomize_speech_tokenizer_(codec, torch.Generator().manual_seed(0))
     codec = codec.to(device=device).eval()  # float32, as TTS.from_pretrained loads it
     generation = dict(GENERATION_CONFIG, max_new_tokens=4096)
-    return TTS(model, AutoTokenizer.from_pretrained(str(workdir)), codec, generation, f"random {size} {model_type}", **options)
+    return TTS(model, load_text_tokenizer(workdir), codec, generation, f"random {size} {model_type}", **options)
 
 
 def request(frames: int, seed: int = 0, **fields) -> SpeechRequest:

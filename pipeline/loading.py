@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,14 +18,10 @@ from safetensors.torch import load_file
 from pipeline.config_types import ROPE, check_config, dataclass_schema
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.model import MODEL_TYPES, CodePredictorConfig, Qwen3TTS, TalkerConfig, TTSConfig
+from pipeline.text_tokenizer import TextTokenizer
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-# The keys of a Qwen3-TTS config.json that TTSConfig.from_dict reads, by their JSON types, and
-# `architectures`, which transformers checks when AutoTokenizer reads the file.
-TTS_CONFIG = dataclass_schema(TTSConfig, {TTSConfig: {"architectures": list[str] | None}, TalkerConfig: {"rope_parameters": ROPE},
-                                          CodePredictorConfig: {"rope_parameters": ROPE}})
+# The keys of a Qwen3-TTS config.json that TTSConfig.from_dict reads, by their JSON types.
+TTS_CONFIG = dataclass_schema(TTSConfig, {TalkerConfig: {"rope_parameters": ROPE}, CodePredictorConfig: {"rope_parameters": ROPE}})
 REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -96,36 +92,24 @@ def read_json(directory: Path, name: str) -> dict[str, Any]:
     return data
 
 
-def load_text_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+def load_text_tokenizer(directory: Path) -> TextTokenizer:
     """The checkpoint's BPE text tokenizer (vocab.json, merges.txt, tokenizer_config.json), each file checked."""
-    # Imported here: transformers takes seconds to import and only this function needs it.
-    from transformers import AutoTokenizer
-
     _check_vocab(directory)
-    read_json(directory, "tokenizer_config.json")
+    config = read_json(directory, "tokenizer_config.json")
     # The tokenizers library reports a non-UTF-8 merges.txt without naming the file.
     _read_text(directory / "merges.txt")
-    from transformers.utils import logging as hf_logging
-
-    # AutoTokenizer also reads config.json, whose model_type (qwen3_tts) transformers does not know,
-    # and warns that it "instantiates a model of another type"; the tokenizer comes from
-    # tokenizer_config.json all the same, so that warning says nothing true here.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(directory))
+        return TextTokenizer.from_files(directory / "vocab.json", directory / "merges.txt", config)
     except Exception as exc:  # the tokenizers library raises bare Exception when it cannot build the BPE
         reason = " ".join(str(exc).split()).rstrip(".")
         raise CheckpointError(
             f"The text tokenizer in {directory} cannot be built from its vocab.json, merges.txt and tokenizer_config.json: {reason}."
         ) from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 def _check_vocab(directory: Path) -> None:
     vocab = read_json(directory, "vocab.json")
-    if not vocab or not all(isinstance(token_id, int) for token_id in vocab.values()):
+    if not vocab or not all(type(token_id) is int and token_id >= 0 for token_id in vocab.values()):
         raise CheckpointError(f"{directory / 'vocab.json'} should map every token to its integer id.")
 
 

@@ -26,6 +26,7 @@ from pipeline.loading import load_model, load_text_tokenizer, read_json, resolve
 from pipeline.model import Qwen3TTS
 from pipeline.prompt import REF_TAIL_TOKENS, ROLE_TOKENS, TEXT_TAIL_TOKENS, ICLReference, Prompt, assistant_text, build_prompt, instruct_text, reference_text
 from pipeline.request import MAX_TEXT_CHARS, SpeechRequest, split_text
+from pipeline.text_tokenizer import TextTokenizer
 from pipeline.voice_file import SavedVoice, VoiceSpace
 from pipeline.word_timings import IncrementalTokenizer, TextLayout, Token, WordTime, spoken_words, word_times
 
@@ -86,7 +87,7 @@ class TTS:
     def __init__(
         self,
         model: Qwen3TTS,
-        text_tokenizer,
+        text_tokenizer: TextTokenizer,
         speech_tokenizer: SpeechTokenizer,
         generation_config: dict,
         name: str,
@@ -357,7 +358,7 @@ class TTS:
         """The text tokens of a segment as its prompt lays them (`prompt`), with their characters in `segment`."""
         framed = assistant_text(segment)
         start = framed.index(segment)
-        encoding = self.text_tokenizer(framed, return_offsets_mapping=True)
+        encoding = self.text_tokenizer(framed)
         ids, spans = encoding["input_ids"][ROLE_TOKENS:-TEXT_TAIL_TOKENS], encoding["offset_mapping"][ROLE_TOKENS:-TEXT_TAIL_TOKENS]
         return [Token(i, a - start, b - start) for i, (a, b) in zip(ids, spans)]
 

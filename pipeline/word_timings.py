@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.contract.events import FRAME_SECONDS
+from pipeline.text_tokenizer import TextTokenizer
 
 # One word per character in scripts written without spaces (CJK ideographs, kana); else a run of non-space characters.
 _WORD = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]|[^\s\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
@@ -61,12 +62,12 @@ class IncrementalTokenizer:
     """The token ids of a text given in pieces, equal to those of the whole text (leading and
     trailing whitespace stripped). `feed` returns the tokens that are final, `finish` the rest."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
         self.text = ""
         self.tokens: list[Token] = []
         self.done = False
-        self._specials = [t for t in tokenizer.added_tokens_encoder if t]
+        self._specials = list(tokenizer.added_tokens)
 
     def feed(self, piece: str) -> list[Token]:
         if self.done:
@@ -89,13 +90,12 @@ class IncrementalTokenizer:
         return self._commit(ids, spans, len(ids))
 
     def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]], list[int]]:
-        encoding = self.tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-        words = encoding.word_ids()
+        encoding = self.tokenizer(text)
         # Added (special) tokens have no pre-token: each counts as one of its own.
-        words = [w if w is not None else -1 for w in words]
+        words = [w if w is not None else -1 for w in encoding["word_ids"]]
         for i in range(1, len(words)):
             words[i] = max(words[i], words[i - 1]) if words[i] >= 0 else words[i - 1] + 1
-        return list(encoding["input_ids"]), [tuple(s) for s in encoding["offset_mapping"]], words
+        return encoding["input_ids"], encoding["offset_mapping"], words
 
     def _first_held_token(self, spans: list[tuple[int, int]]) -> int:
         """The first token whose pre-token may still change: the one holding the trailing whitespace

@@ -32,7 +32,7 @@ def tokenizer(tiny_checkpoints):
 
 
 def whole_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text.strip(), add_special_tokens=False)["input_ids"]
+    return tokenizer(text.strip())["input_ids"]
 
 
 def fed(tokenizer, pieces: list[str]) -> IncrementalTokenizer:
