@@ -15,15 +15,19 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from pipeline.codec.config import SpeechTokenizerConfig
+from pipeline.codec.config import DecoderConfig, EncoderConfig, SpeechTokenizerConfig
 from pipeline.config_types import check_config
 from pipeline.errors import CheckpointError, TTSInputError
-from pipeline.model import CodePredictorConfig, Qwen3TTS, TTSConfig
+from pipeline.model import CodePredictorConfig, TalkerConfig, TTSConfig
+from pipeline.speaker_encoder import SpeakerEncoderConfig
+
+if TYPE_CHECKING:
+    from pipeline.omni.code2wav import Code2WavConfig
+    from pipeline.omni.talker import OmniTalkerConfig
 
 GIB = 2**30
 # The fixed reserve besides weights and rows: CUDA graph pools (one per graph of the decode step's row
@@ -128,33 +132,156 @@ def checkpoint_name(source: str) -> str:
     return source.rstrip("/").split("/")[-1] or source
 
 
-# ---- bytes of modules and of rows ------------------------------------------------------------
+# ---- bytes of weights and of rows, from the configs' numbers -----------------------------------
+# Elements of the tensors that the modules of pipeline/model.py, pipeline/speaker_encoder.py and
+# pipeline/codec/ hold once loaded (parameters, and the buffers derived from them at load), and of
+# the vocoder's per-stream state; tests/test_memory_plan.py checks each count against the modules.
 
-def module_bytes(build, dtype: torch.dtype | None = None) -> int:
-    """Bytes of the parameters and buffers of the module `build()` makes (built on the meta device:
-    nothing is allocated), its floating-point tensors counted in `dtype` where given, as the loaders
-    cast them."""
-    with torch.device("meta"):
-        module = build()
-    storages = {}  # a derived tensor that is a view of a parameter (a permuted 1-tap conv weight) takes no memory of its own
-    for t in (*module.parameters(), *module.buffers()):
-        storage = t.untyped_storage()
-        size = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
-        storages[storage._cdata] = storage.nbytes() // t.element_size() * size
-    return sum(storages.values())
+def linear(inputs: int, outputs: int, bias: bool = False) -> int:
+    return inputs * outputs + (outputs if bias else 0)
 
 
-def stream_state_bytes(build) -> int:
-    """Bytes of one stream's state of the vocoder `build()` makes: what `StreamState` allocates per row,
-    from each stateful layer's `init_state` (float32, as the codecs run)."""
-    with torch.device("meta"):
-        vocoder = build()
-    total = 0
-    for layer in vocoder.modules():
-        state = layer.init_state(1, torch.device("meta"), torch.float32) if hasattr(layer, "init_state") else None
-        for t in (state if isinstance(state, tuple) else (state,) if state is not None else ()):
-            total += t.numel() * t.element_size()
-    return total
+def conv(inputs: int, outputs: int, kernel: int, bias: bool = True) -> int:
+    """A Conv1d's or ConvTranspose1d's elements (not grouped)."""
+    return linear(inputs * kernel, outputs, bias)
+
+
+def transformer_elements(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> int:
+    """`pipeline.model.Transformer` whose layers' MLPs have `mlp` elements each: per layer the fused q/k/v
+    projection, the output projection, the q and k norms, the MLP and two norms; then the final norm."""
+    attention = linear(hidden, (heads + 2 * kv_heads) * head_dim) + linear(heads * head_dim, hidden) + 2 * head_dim
+    return layers * (attention + mlp + 2 * hidden) + hidden
+
+
+def dense_mlp_elements(hidden: int, intermediate: int) -> int:
+    return 3 * hidden * intermediate  # gate and up (fused or not), down
+
+
+def code_predictor_elements(p: CodePredictorConfig, talker_hidden: int) -> int:
+    """`pipeline.model.CodePredictor`: its transformer, an embedding table (talker-wide) and an output head per
+    codebook after the first, and the projection from the talker's width where the two differ (the 1.7B's)."""
+    model = transformer_elements(p.hidden_size, p.num_hidden_layers, p.num_attention_heads, p.num_key_value_heads, p.head_dim,
+                                 dense_mlp_elements(p.hidden_size, p.intermediate_size))
+    heads = (p.num_code_groups - 1) * (p.vocab_size * talker_hidden + linear(p.hidden_size, p.vocab_size))
+    return model + heads + (linear(talker_hidden, p.hidden_size, bias=True) if p.hidden_size != talker_hidden else 0)
+
+
+def talker_elements(t: TalkerConfig) -> int:
+    """`pipeline.model.Talker`: its transformer, the codec and text embeddings, the text projection, the codec
+    head and the code predictor."""
+    model = transformer_elements(t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim,
+                                 dense_mlp_elements(t.hidden_size, t.intermediate_size))
+    embeddings = t.vocab_size * t.hidden_size + t.text_vocab_size * t.text_hidden_size
+    text_projection = linear(t.text_hidden_size, t.text_hidden_size, bias=True) + linear(t.text_hidden_size, t.hidden_size, bias=True)
+    return model + embeddings + text_projection + linear(t.hidden_size, t.vocab_size) + code_predictor_elements(t.code_predictor_config, t.hidden_size)
+
+
+def speaker_encoder_elements(c: SpeakerEncoderConfig) -> int:
+    """`pipeline.speaker_encoder.SpeakerEncoder` (Base models): TDNN, SE-Res2Net blocks, aggregation, attentive pooling, output conv."""
+    channels, kernels, scale = c.enc_channels, c.enc_kernel_sizes, c.enc_res2net_scale
+    total = conv(c.mel_dim, channels[0], kernels[0])
+    for width, kernel in zip(channels[1:-1], kernels[1:-1]):
+        total += (2 * conv(width, width, 1) + (scale - 1) * conv(width // scale, width // scale, kernel)
+                  + conv(width, c.enc_se_channels, 1) + conv(c.enc_se_channels, width, 1))
+    last = channels[-1]
+    pooling = conv(3 * last, c.enc_attention_channels, 1) + conv(c.enc_attention_channels, last, 1)
+    return total + conv(last, last, kernels[-1]) + pooling + conv(2 * last, c.enc_dim, 1)
+
+
+def tts_model_bytes(config: TTSConfig, dtype: torch.dtype) -> int:
+    """Bytes of `pipeline.model.Qwen3TTS` as `load_model` loads it in `dtype`."""
+    encoder = speaker_encoder_elements(config.speaker_encoder_config) if config.tts_model_type == "base" else 0
+    return (talker_elements(config.talker_config) + encoder) * dtype.itemsize
+
+
+def codec_encoder_elements(c: EncoderConfig) -> int:
+    """`pipeline.codec.encoder.SpeechEncoder`: SEANet convs, transformer, downsample and the two RVQs, each
+    codebook with its codewords derived at load (`embed`)."""
+    total, dim = conv(1, c.num_filters, c.kernel_size), c.num_filters
+    for ratio in reversed(c.upsampling_ratios):
+        hidden = dim // c.compress
+        total += c.num_residual_layers * (conv(dim, hidden, c.residual_kernel_size) + conv(hidden, dim, 1)) + conv(dim, 2 * dim, 2 * ratio)
+        dim *= 2
+    h, heads, kv, d, bias = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias
+    attention = linear(h, heads * d, bias) + 2 * linear(h, kv * d, bias) + linear(heads * d, h, bias)
+    layer = attention + 2 * linear(h, c.intermediate_size) + 2 * 2 * h + 2 * h  # MLP, two LayerNorms, two layer scales
+    total += conv(dim, h, c.last_kernel_size) + c.num_hidden_layers * layer + conv(h, h, 2 * c.latent_stride, bias=False)
+    projections = 2 * 2 * h * c.vector_quantization_hidden_dimension if c.projects_latents else 0
+    codebook = 1 + c.codebook_size + 2 * c.codebook_size * c.codebook_dim  # initialized, cluster_usage, embed_sum, embed
+    return total + projections + c.num_quantizers * codebook
+
+
+def window_transformer_elements(c: DecoderConfig) -> int:
+    """`pipeline.codec.decoder.DecoderTransformer`'s layers and norm (not its latent projections): each layer's
+    separate projections with their fused copies (q/k/v, gate/up), two norms and two layer scales."""
+    h, heads, kv, d, bias = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias
+    qkv = (heads + 2 * kv) * d
+    attention = linear(h, heads * d, bias) + 2 * linear(h, kv * d, bias) + linear(heads * d, h, bias) + linear(h, qkv, bias)
+    mlp = 3 * linear(h, c.intermediate_size) + linear(h, 2 * c.intermediate_size)
+    return c.num_hidden_layers * (attention + mlp + 4 * h) + h
+
+
+def convnext_elements(dim: int) -> int:
+    """`pipeline.codec.decoder.ConvNeXtBlock`: depthwise 7-tap conv, LayerNorm, two pointwise linears, gamma."""
+    return 7 * dim + dim + 2 * dim + linear(dim, 4 * dim, bias=True) + linear(4 * dim, dim, bias=True) + dim
+
+
+def snake_elements(channels: int) -> int:
+    return 4 * channels  # alpha, beta and the exponentials derived from them
+
+
+def residual_unit_elements(dim: int) -> int:
+    """`pipeline.codec.decoder.ResidualUnit`: two SnakeBetas, a 7-tap and a 1-tap conv, and the 7-tap conv's
+    weight copied tap-major (the 1-tap one's tap-major form is a view: no memory of its own; so is the
+    7-tap one's at one channel)."""
+    taps = 7 * dim * dim if dim > 1 else 0
+    return 2 * snake_elements(dim) + conv(dim, dim, 7) + conv(dim, dim, 1) + taps
+
+
+def vocoder_dims(c: DecoderConfig) -> list[int]:
+    return [c.decoder_dim // 2**i for i in range(len(c.upsample_rates) + 1)]
+
+
+def vocoder_elements(c: DecoderConfig, width: int) -> int:
+    """The upsampling stages (transposed conv + ConvNeXt) of `width` channels and the SnakeBeta conv vocoder after them."""
+    dims = vocoder_dims(c)
+    total = sum(conv(width, width, ratio) + convnext_elements(width) for ratio in c.upsampling_ratios) + conv(width, dims[0], 7)
+    for i, rate in enumerate(c.upsample_rates):
+        total += snake_elements(dims[i]) + conv(dims[i], dims[i + 1], 2 * rate) + 3 * residual_unit_elements(dims[i + 1])  # dilations 1, 3, 9
+    return total + snake_elements(dims[-1]) + conv(dims[-1], 1, 7)
+
+
+def codec_decoder_elements(c: DecoderConfig) -> int:
+    """`pipeline.codec.decoder.SpeechDecoder`'s floating-point elements: the quantizer (both RVQs' projections,
+    each codebook's usage and sum, and the table of codewords derived from them), the pre-conv, the
+    transformer with its latent projections, and the upsampling stages and vocoder."""
+    dim, q, size = c.codebook_dim // 2, c.num_quantizers, c.codebook_size
+    quantizer = 2 * 2 * c.codebook_dim * dim + q * size * (1 + dim) + q * size * dim
+    transformer = window_transformer_elements(c) + linear(c.latent_dim, c.hidden_size, bias=True) + linear(c.hidden_size, c.latent_dim, bias=True)
+    return quantizer + conv(c.codebook_dim, c.latent_dim, 3) + transformer + vocoder_elements(c, c.latent_dim)
+
+
+def codec_bytes(codec: SpeechTokenizerConfig) -> int:
+    """Bytes of `pipeline.codec.SpeechTokenizer` as loaded (float32), with the quantizer's codebook offsets (int64)."""
+    return (codec_encoder_elements(codec.encoder) + codec_decoder_elements(codec.decoder)) * 4 + codec.decoder.num_quantizers * 8
+
+
+def stream_state_bytes(c: DecoderConfig, width: int, front: int = 0) -> int:
+    """Bytes of one stream's state (`pipeline.codec.StreamState`, float32 as the codecs run) of a decoder
+    whose upsampling stages are `width` channels wide, after a front conv keeping `front` elements: the
+    transformer's frame count (int64) and its window of keys and values, and each causal conv's last
+    inputs (a 7-tap conv keeps 6 steps, a dilated one 6 x its dilation; each block's transposed conv,
+    kernel 2 x its stride, keeps one step, and the upsampling ones, kernel = stride, none)."""
+    dims = vocoder_dims(c)
+    window = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.sliding_window - 1) * c.head_dim
+    upsample = len(c.upsampling_ratios) * 6 * width  # the ConvNeXt blocks' depthwise convs
+    vocoder = 6 * width + sum(dims[i] + 6 * (1 + 3 + 9) * dims[i + 1] for i in range(len(c.upsample_rates))) + 6 * dims[-1]
+    return (front + window + upsample + vocoder) * 4 + 8
+
+
+def codec_stream_bytes(c: DecoderConfig) -> int:
+    """One stream of `pipeline.codec.decoder.SpeechDecoder`: its pre-conv (3 taps) keeps 2 steps of the codewords."""
+    return stream_state_bytes(c, c.latent_dim, front=2 * c.codebook_dim)
 
 
 def decoder_row_bytes(layers: int, kv_heads: int, head_dim: int, hidden: int, vocab: int, predictor: CodePredictorConfig,
@@ -183,14 +310,11 @@ def decoder_row_bytes(layers: int, kv_heads: int, head_dim: int, hidden: int, vo
 def tts_plan(config: TTSConfig, codec: SpeechTokenizerConfig, dtype: torch.dtype, max_seq: int, name: str,
              frame_kernels: bool = True, max_rows: int = MOST_ROWS) -> MemoryPlan:
     """A Qwen3-TTS checkpoint's plan: `frame_kernels` as BatchDecoder's (its whole frame in kernels: on CUDA with the fused kernels)."""
-    from pipeline.codec.decoder import SpeechDecoder
-    from pipeline.codec.tokenizer import SpeechTokenizer
-
-    weights = module_bytes(lambda: Qwen3TTS(config), dtype) + module_bytes(lambda: SpeechTokenizer(codec), torch.float32)
+    weights = tts_model_bytes(config, dtype) + codec_bytes(codec)
     t = config.talker_config
     per_row = decoder_row_bytes(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, t.hidden_size, t.vocab_size, t.code_predictor_config,
                                 max_seq, dtype, frame_kernels)
-    per_row += stream_state_bytes(lambda: SpeechDecoder(codec.decoder))
+    per_row += codec_stream_bytes(codec.decoder)
     return MemoryPlan(name, str(dtype).removeprefix("torch."), weights, per_row, TTS_RESERVE_BYTES, max_rows)
 
 
@@ -227,7 +351,7 @@ def thinker_slot_bytes(text_config: dict[str, Any], max_len: int, dtype: torch.d
 def omni_row_bytes(config: dict[str, Any], dtype: torch.dtype, talker_max_seq: int, thinker_max_seq: int) -> int:
     """Bytes per conversation: a talker row (its decode step runs in PyTorch ops: sparse layers), a
     thinker slot and a code2wav stream."""
-    from pipeline.omni.code2wav import Code2Wav, Code2WavConfig
+    from pipeline.omni.code2wav import Code2WavConfig
     from pipeline.omni.talker import OmniTalkerConfig
 
     talker = OmniTalkerConfig.from_dict(config["talker_config"])
@@ -235,7 +359,8 @@ def omni_row_bytes(config: dict[str, Any], dtype: torch.dtype, talker_max_seq: i
     row = decoder_row_bytes(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, t.hidden_size, t.vocab_size, talker.code_predictor_config,
                             talker_max_seq, dtype, frame_kernels=False)
     row += thinker_slot_bytes(config["thinker_config"]["text_config"], thinker_max_seq, dtype)
-    return row + stream_state_bytes(lambda: Code2Wav(Code2WavConfig.from_dict(config["code2wav_config"])))
+    code2wav = Code2WavConfig.from_dict(config["code2wav_config"])
+    return row + stream_state_bytes(code2wav, code2wav.hidden_size)  # no front conv: the codes' embeddings go to the transformer
 
 
 def omni_plan(config: dict[str, Any], weights: int, dtype: torch.dtype, talker_max_seq: int, thinker_max_seq: int, name: str,
@@ -262,20 +387,61 @@ def omni_weight_bytes(directory: Path, dtype: torch.dtype) -> int:
 
 
 def released_omni_weight_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
-    """The same bytes counted from the modules the released config builds (on the meta device)."""
-    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+    """The same bytes counted from the modules a config.json builds (with their buffers): the thinker
+    without its vision encoder and the talker in `dtype`, code2wav in float32 with its code offsets (int64)."""
+    from pipeline.omni.code2wav import Code2WavConfig
+    from pipeline.omni.talker import OmniTalkerConfig
 
-    from pipeline.omni.code2wav import Code2Wav, Code2WavConfig
-    from pipeline.omni.talker import OmniTalker, OmniTalkerConfig
+    code2wav = Code2WavConfig.from_dict(config["code2wav_config"])
+    talker = omni_talker_elements(OmniTalkerConfig.from_dict(config["talker_config"]))
+    return (thinker_elements(config["thinker_config"]) + talker) * dtype.itemsize + code2wav_elements(code2wav) * 4 + code2wav.num_quantizers * 8
 
-    def thinker() -> nn.Module:
-        model = Qwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeThinkerConfig(**config["thinker_config"]))
-        model.model.visual = None  # the vision encoder: messages are text and audio, Thinker does not keep it
-        return model
 
-    return (module_bytes(thinker, dtype) + module_bytes(lambda: OmniTalker(OmniTalkerConfig.from_dict(config["talker_config"])), dtype)
-            + module_bytes(lambda: Code2Wav(Code2WavConfig.from_dict(config["code2wav_config"])), torch.float32))
+def omni_talker_elements(c: OmniTalkerConfig) -> int:
+    """`pipeline.omni.talker.OmniTalker`: a transformer of sparse MoE layers (`pipeline.omni.moe.SparseMoeBlock`: router,
+    stacked experts, gated shared expert), its codec embedding, text and hidden projections, codec head and code predictor."""
+    t = c.text_config
+    moe = (t.num_experts * t.hidden_size + t.num_experts * dense_mlp_elements(t.hidden_size, t.moe_intermediate_size)
+           + dense_mlp_elements(t.hidden_size, t.shared_expert_intermediate_size) + linear(t.hidden_size, 1))
+    model = transformer_elements(t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim, moe)
+    projections = 2 * (linear(c.thinker_hidden_size, t.intermediate_size, bias=True) + linear(t.intermediate_size, t.hidden_size, bias=True))
+    return (model + t.vocab_size * t.hidden_size + projections + linear(t.hidden_size, t.vocab_size)
+            + code_predictor_elements(c.code_predictor_config, t.hidden_size))
+
+
+def code2wav_elements(c: Code2WavConfig) -> int:
+    """`pipeline.omni.code2wav.Code2Wav`'s floating-point elements: one embedding table for all codebooks, the
+    transformer (no latent projections), and the upsampling stages and vocoder at the transformer's width."""
+    return c.codebook_size * c.num_quantizers * c.hidden_size + window_transformer_elements(c) + vocoder_elements(c, c.hidden_size)
+
+
+def thinker_elements(thinker: dict[str, Any]) -> int:
+    """transformers' Qwen3OmniMoeThinkerForConditionalGeneration without its vision encoder, as
+    `pipeline.omni.thinker` keeps it: the text model and its head (unless tied to the embedding) and the
+    audio encoder; absent keys take transformers' defaults."""
+    t = thinker["text_config"]
+    hidden, heads, kv_heads = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    head_dim, bias = t.get("head_dim") or hidden // heads, t.get("attention_bias", False)
+    attention = (linear(hidden, heads * head_dim, bias) + 2 * linear(hidden, kv_heads * head_dim, bias)
+                 + linear(heads * head_dim, hidden, bias) + 2 * head_dim)
+    experts, step, dense = t.get("num_experts", 128), t.get("decoder_sparse_step", 1), set(t.get("mlp_only_layers") or ())
+    moe = experts * hidden + experts * dense_mlp_elements(hidden, t.get("moe_intermediate_size", 768))
+    mlps = sum(moe if i not in dense and experts > 0 and (i + 1) % step == 0 else dense_mlp_elements(hidden, t["intermediate_size"])
+               for i in range(t["num_hidden_layers"]))
+    layers = t["num_hidden_layers"] * (attention + 2 * hidden) + mlps + hidden
+    rotary = 2 * len(range(0, head_dim, 2))  # inv_freq and its original copy
+    embeddings = t["vocab_size"] * hidden * (1 if thinker.get("tie_word_embeddings", False) else 2)
+    return layers + rotary + embeddings + audio_encoder_elements(thinker["audio_config"])
+
+
+def audio_encoder_elements(a: dict[str, Any]) -> int:
+    """transformers' Qwen3OmniMoeAudioEncoder: three 3x3 stride-2 convs over the mel, their projection,
+    the transformer layers, the output norm and projections, and the sinusoidal position table."""
+    width, channels, mels = a["d_model"], a["downsample_hidden_size"], a["num_mel_bins"]
+    convs = conv(1, channels, 9) + 2 * conv(channels, channels, 9) + linear(channels * ((((mels + 1) // 2 + 1) // 2 + 1) // 2), width)
+    layer = 4 * linear(width, width, bias=True) + linear(width, a["encoder_ffn_dim"], bias=True) + linear(a["encoder_ffn_dim"], width, bias=True) + 2 * 2 * width
+    head = 2 * width + linear(width, width, bias=True) + linear(width, a["output_dim"], bias=True)
+    return convs + a["encoder_layers"] * layer + head + a.get("max_source_positions", 1500) * width
 
 
 # ---- the README's table ----------------------------------------------------------------------

@@ -291,6 +291,15 @@ def prefill_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: 
     return layer(x, lambda attn, h: attn.prefill(h, cos, sin, row, positions))
 
 
+def embedding(count: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(count, dim), its weights drawn as nn.Embedding draws them except on the meta device, where the
+    loaders build models: a draw on meta tensors imports torch._dynamo, seconds of a start."""
+    weight = torch.empty(count, dim)
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(count, dim, _weight=weight)
+
+
 class ResizeMLP(nn.Module):
     def __init__(self, inp: int, intermediate: int, out: int):
         super().__init__()
@@ -305,7 +314,7 @@ class CodePredictorModel(Transformer):
     def __init__(self, config: CodePredictorConfig, embedding_dim: int):
         c = config
         super().__init__(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta)
-        self.codec_embedding = nn.ModuleList(nn.Embedding(c.vocab_size, embedding_dim) for _ in range(c.num_code_groups - 1))
+        self.codec_embedding = nn.ModuleList(embedding(c.vocab_size, embedding_dim) for _ in range(c.num_code_groups - 1))
 
 
 class CodePredictor(nn.Module):
@@ -326,8 +335,8 @@ class TalkerModel(Transformer):
     def __init__(self, config: TalkerConfig):
         c = config
         super().__init__(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta)
-        self.codec_embedding = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.text_embedding = nn.Embedding(c.text_vocab_size, c.text_hidden_size)
+        self.codec_embedding = embedding(c.vocab_size, c.hidden_size)
+        self.text_embedding = embedding(c.text_vocab_size, c.text_hidden_size)
 
 
 class Talker(nn.Module):

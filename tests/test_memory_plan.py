@@ -1,6 +1,10 @@
 """The memory plan (pipeline/memory_plan.py) against what the loaders and the engine allocate, the rows it
 chooses for a given free memory, and the sentences when rows or weights do not fit: at load and at the app's
-start. Free memory is given to the plan as bytes, as a GPU would report it."""
+start. Free memory is given to the plan as bytes, as a GPU would report it. The plan counts bytes from the
+configs' numbers; here each count is checked against the modules themselves, built on the meta device, for
+the tiny, the released and other valid configs."""
+import collections
+import copy
 import functools
 import inspect
 import math
@@ -13,10 +17,17 @@ from torch import nn
 
 import app
 from pipeline import memory_plan
+from pipeline.codec.config import SpeechTokenizerConfig
+from pipeline.codec.decoder import SpeechDecoder
+from pipeline.codec.streaming import derive_all_
 from pipeline.codec.tokenizer import SpeechTokenizer
 from pipeline.loading import load_model
 from pipeline.memory_plan import GIB, MemoryPlan, NotEnoughMemory
+from pipeline.model import Qwen3TTS, TTSConfig
+from pipeline.released import RELEASED_CONFIG, real_size_config
 from pipeline.service import ModelService
+from pipeline.speaker_encoder import tiny_speaker_encoder_config
+from pipeline.tiny import SPECIAL_TOKENS, TINY_SPEECH_TOKENIZER_CONFIG, tiny_config, tiny_omni_config
 from pipeline.tts import DEFAULT_MAX_SEQ, TTS
 
 
@@ -187,3 +198,164 @@ def test_a_cuda_engine_gets_the_cap_of_its_card_or_the_rows_asked_for(tiny_check
     assert rows_on(80 * GIB, {"rows": 100}) == 100
     with pytest.raises(NotEnoughMemory, match=r"^--rows 201 needs about .* at most 200 rows fit\.$"):
         rows_on(80 * GIB, {"rows": 201})
+
+
+# ---- the arithmetic against the modules --------------------------------------------------------
+
+def meta_bytes(build, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the parameters and buffers of the module `build()` makes on the meta device (nothing is
+    allocated), its floating-point tensors counted in `dtype` where given, as the loaders cast them;
+    each storage once (a derived tensor that is a view of a parameter takes no memory of its own)."""
+    with torch.device("meta"):
+        module = build()
+        derive_all_(module)  # the derived tensors the load's post-hooks add (not built on meta)
+    storages = {}
+    for t in (*module.parameters(), *module.buffers()):
+        storage = t.untyped_storage()
+        size = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
+        storages[storage._cdata] = storage.nbytes() // t.element_size() * size
+    return sum(storages.values())
+
+
+def meta_stream_state_bytes(build) -> int:
+    """Bytes of one stream's state of the vocoder `build()` makes: what `StreamState` allocates per row,
+    from each stateful layer's `init_state` (float32, as the codecs run)."""
+    with torch.device("meta"):
+        vocoder = build()
+        derive_all_(vocoder)
+    total = 0
+    for layer in vocoder.modules():
+        state = layer.init_state(1, torch.device("meta"), torch.float32) if hasattr(layer, "init_state") else None
+        for t in (state if isinstance(state, tuple) else (state,) if state is not None else ()):
+            total += t.numel() * t.element_size()
+    return total
+
+
+SPECIAL_IDS = {token: 151643 + i for i, token in enumerate(SPECIAL_TOKENS)}
+
+
+def tts_config(size: str | None, model_type: str, talker: dict | None = None, predictor: dict | None = None,
+               speaker_encoder: dict | None = None) -> TTSConfig:
+    """The tiny (`size` None) or a released size's config of `model_type`, with the talker's, the code predictor's
+    and the speaker encoder's keys changed as given."""
+    raw = tiny_config(model_type, SPECIAL_IDS) if size is None else real_size_config(size, model_type, SPECIAL_IDS)
+    raw["talker_config"].update(talker or {})
+    raw["talker_config"]["code_predictor_config"].update(predictor or {})
+    raw["speaker_encoder_config"].update(speaker_encoder or {})
+    return TTSConfig.from_dict(raw)
+
+
+TTS_CONFIGS = {
+    **{f"tiny {kind}": tts_config(None, kind) for kind in ("base", "custom_voice", "voice_design")},
+    **{f"{size} {kind}": tts_config(size, kind) for size, kind in memory_plan.TTS_NAMES},
+    "more layers, fewer heads": tts_config(None, "custom_voice", dict(num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=1)),
+    "as many kv heads as heads": tts_config(None, "voice_design", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "head_dim from hidden / heads": tts_config(None, "custom_voice", dict(head_dim=None, num_attention_heads=8)),
+    "wider head_dim": tts_config(None, "base", dict(head_dim=40)),
+    "wider talker, no projection": tts_config(None, "custom_voice", dict(hidden_size=32, intermediate_size=96),
+                                              dict(hidden_size=32, intermediate_size=40)),
+    "projected predictor": tts_config(None, "base", dict(hidden_size=96), dict(hidden_size=48, num_hidden_layers=3, head_dim=12),
+                                      dict(enc_dim=96)),
+    "other vocabularies": tts_config(None, "custom_voice", dict(vocab_size=3100, text_vocab_size=5000, text_hidden_size=40),
+                                     dict(vocab_size=1024, num_code_groups=8)),
+    "other speaker encoder": tts_config(None, "base", speaker_encoder={
+        **tiny_speaker_encoder_config(64), "enc_channels": [24, 24, 24, 48], "enc_kernel_sizes": [3, 5, 3, 1],
+        "enc_dilations": [1, 2, 3, 1], "enc_res2net_scale": 4, "enc_se_channels": 8, "enc_attention_channels": 12, "mel_dim": 80}),
+}
+
+
+@pytest.mark.parametrize("name", TTS_CONFIGS)
+def test_the_talkers_bytes_from_its_config_are_its_modules_bytes(name):
+    config = TTS_CONFIGS[name]
+    for dtype in (torch.bfloat16, torch.float32):
+        assert memory_plan.tts_model_bytes(config, dtype) == meta_bytes(lambda: Qwen3TTS(config), dtype), (name, dtype)
+
+
+def codec_config(encoder: dict | None = None, decoder: dict | None = None, tiny: bool = True) -> SpeechTokenizerConfig:
+    """The tiny or the released (`tiny` False: the defaults) speech tokenizer's config, its encoder's and decoder's keys changed as given."""
+    raw = copy.deepcopy(TINY_SPEECH_TOKENIZER_CONFIG) if tiny else {"encoder_config": {}, "decoder_config": {}}
+    raw["encoder_config"].update(encoder or {})
+    raw["decoder_config"].update(decoder or {})
+    return SpeechTokenizerConfig.from_dict(raw)
+
+
+CODEC_CONFIGS = {
+    "tiny": codec_config(),
+    "released": codec_config(tiny=False),
+    "attention biases": codec_config(dict(attention_bias=True), dict(attention_bias=True)),
+    "latents not projected": codec_config(dict(hidden_size=16, intermediate_size=32)),
+    "more layers and residual layers": codec_config(dict(num_residual_layers=2, num_hidden_layers=3, compress=4, kernel_size=5),
+                                                    dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8)),
+    "other rates and widths": codec_config(dict(upsampling_ratios=[4, 8, 5, 4], num_filters=8),
+                                           dict(upsample_rates=[6, 5, 4, 4], upsampling_ratios=[4], decoder_dim=48, latent_dim=24,
+                                                codebook_dim=32, sliding_window=20)),
+    "a one-channel last block": codec_config(decoder=dict(decoder_dim=16)),  # 16, 8, 4, 2, 1 channels
+    "codebooks": codec_config(dict(num_quantizers=20, codebook_size=512, num_semantic_quantizers=2), dict(codebook_size=512)),
+}
+
+
+@pytest.mark.parametrize("name", CODEC_CONFIGS)
+def test_the_codecs_bytes_and_stream_state_from_its_config_are_its_modules(name):
+    config = CODEC_CONFIGS[name]
+    assert memory_plan.codec_bytes(config) == meta_bytes(lambda: SpeechTokenizer(config), torch.float32)
+    assert memory_plan.codec_stream_bytes(config.decoder) == meta_stream_state_bytes(lambda: SpeechDecoder(config.decoder))
+
+
+def omni_config(tiny: bool = True, thinker: dict | None = None, text: dict | None = None, code2wav: dict | None = None) -> dict:
+    """Qwen3-Omni's tiny (ids only name tokens) or released config, its thinker's, its thinker's text model's and
+    its code2wav's keys changed as given."""
+    config = tiny_omni_config(collections.defaultdict(int)) if tiny else copy.deepcopy(RELEASED_CONFIG)
+    config["thinker_config"].update(thinker or {})
+    config["thinker_config"]["text_config"].update(text or {})
+    config["code2wav_config"].update(code2wav or {})
+    return config
+
+
+OMNI_CONFIGS = {
+    "tiny": omni_config(),
+    "released": omni_config(tiny=False),
+    "tied embeddings": omni_config(thinker=dict(tie_word_embeddings=True)),
+    "dense layers among sparse": omni_config(text=dict(mlp_only_layers=[0], decoder_sparse_step=2, attention_bias=True)),
+    "longer audio positions": omni_config(thinker=dict(audio_config={**omni_config()["thinker_config"]["audio_config"], "max_source_positions": 2000,
+                                                                     "num_mel_bins": 80})),
+    "other code2wav": omni_config(code2wav=dict(decoder_dim=48, upsample_rates=[6, 5, 4, 4], upsampling_ratios=[4], num_hidden_layers=2)),
+}
+
+
+def omni_modules_bytes(config: dict, dtype: torch.dtype) -> int:
+    """Bytes of the thinker (transformers' module, without its vision encoder) and the talker in `dtype`, and code2wav in float32."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from pipeline.omni.code2wav import Code2Wav, Code2WavConfig
+    from pipeline.omni.talker import OmniTalker, OmniTalkerConfig
+
+    def thinker() -> nn.Module:
+        model = Qwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeThinkerConfig(**config["thinker_config"]))
+        model.model.visual = None  # as pipeline.omni.thinker keeps it: messages are text and audio
+        return model
+
+    return (meta_bytes(thinker, dtype) + meta_bytes(lambda: OmniTalker(OmniTalkerConfig.from_dict(config["talker_config"])), dtype)
+            + meta_bytes(lambda: Code2Wav(Code2WavConfig.from_dict(config["code2wav_config"])), torch.float32))
+
+
+@pytest.mark.parametrize("name", OMNI_CONFIGS)
+def test_qwen3_omnis_bytes_and_stream_state_from_its_config_are_its_modules(name):
+    from pipeline.omni.code2wav import Code2Wav, Code2WavConfig
+
+    config = OMNI_CONFIGS[name]
+    assert memory_plan.released_omni_weight_bytes(config, torch.bfloat16) == omni_modules_bytes(config, torch.bfloat16)
+    code2wav = Code2WavConfig.from_dict(config["code2wav_config"])
+    assert memory_plan.stream_state_bytes(code2wav, code2wav.hidden_size) == meta_stream_state_bytes(lambda: Code2Wav(code2wav))
+
+
+def test_the_plan_builds_no_module(tiny_checkpoints, monkeypatch):
+    """The plans count from the configs alone: no module is built, on the meta device or any other."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the memory plan built a module")
+
+    memory_plan.shared_tts_plans.cache_clear()
+    monkeypatch.setattr(nn.Module, "__init__", refuse)
+    plan_of(Path(tiny_checkpoints["base"]))
+    memory_plan.tts_row_cap(24 * GIB, torch.bfloat16, DEFAULT_MAX_SEQ)
+    memory_plan.table_plans()

@@ -20,7 +20,7 @@ from torch import nn
 from pipeline.codec.config import DecoderConfig
 from pipeline.codec.residual import fused_residual_available, residual_unit
 from pipeline.codec.snake import snake_beta
-from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, StreamState, exact_float32_convolutions, rederive_after_load
+from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, StreamState, derive_unless_meta_, exact_float32_convolutions, rederive_after_load
 from pipeline.graphs import CUDAGraphed
 from pipeline.layers import LayerScale, RMSNorm, apply_rope, attention, rope_tables
 
@@ -33,7 +33,7 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
         self.register_load_state_dict_post_hook(rederive_after_load)
-        self._derive_()
+        derive_unless_meta_(self)
 
     def _derive_(self) -> None:
         # Same ops and dtype as the reference computes on every call, done once.
@@ -71,7 +71,7 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, 1)
         self.register_load_state_dict_post_hook(rederive_after_load)
-        self._derive_()
+        derive_unless_meta_(self)
 
     def _derive_(self) -> None:
         for name, conv in (("conv1_taps", self.conv1), ("conv2_taps", self.conv2)):
@@ -125,7 +125,7 @@ class SlidingWindowAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.attention_bias)
         self.register_load_state_dict_post_hook(rederive_after_load)
-        self._derive_()
+        derive_unless_meta_(self)
 
     def _derive_(self) -> None:
         weight, bias = _fused_weight(self.q_proj, self.k_proj, self.v_proj)  # one GEMM instead of three
@@ -162,7 +162,7 @@ class DecoderMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.register_load_state_dict_post_hook(rederive_after_load)
-        self._derive_()
+        derive_unless_meta_(self)
 
     def _derive_(self) -> None:
         self.register_buffer("gate_up_weight", _fused_weight(self.gate_proj, self.up_proj)[0], persistent=False)
@@ -271,7 +271,7 @@ class DecoderQuantizer(nn.Module):
         self.rvq_first = _DecoderRVQ(1, size, dim, config.codebook_dim)
         self.rvq_rest = _DecoderRVQ(q - 1, size, dim, config.codebook_dim)
         self.register_load_state_dict_post_hook(rederive_after_load)
-        self._derive_()
+        derive_unless_meta_(self)
 
     def _derive_(self) -> None:
         layers = list(self.rvq_first.vq.layers) + list(self.rvq_rest.vq.layers)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.codec.config import EncoderConfig
-from pipeline.codec.streaming import exact_float32_convolutions, rederive_after_load
+from pipeline.codec.streaming import derive_unless_meta_, exact_float32_convolutions, rederive_after_load
 from pipeline.layers import LayerScale, apply_rope, rope_tables
 
 
@@ -130,7 +130,7 @@ class MimiCodebook(nn.Module):
         self.register_buffer("cluster_usage", torch.ones(size))
         self.register_buffer("embed_sum", torch.zeros(size, dim))
         self.register_load_state_dict_post_hook(rederive_after_load)
-        self._derive_()
+        derive_unless_meta_(self)
 
     def _derive_(self) -> None:
         self.register_buffer("embed", self.embed_sum / self.cluster_usage.clamp(min=1e-5)[:, None], persistent=False)

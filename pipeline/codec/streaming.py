@@ -15,6 +15,14 @@ def rederive_after_load(module: nn.Module, incompatible_keys) -> None:
     module._derive_()
 
 
+def derive_unless_meta_(module: nn.Module) -> None:
+    """Build `module`'s derived buffers now, except on the meta device, where the loaders build modules
+    and the load's post-hook (`rederive_after_load`) derives them from the loaded tensors: an operation on
+    meta tensors imports torch._dynamo, seconds of a start."""
+    if torch.empty(0).device.type != "meta":  # the device modules are being built on
+        module._derive_()
+
+
 def derive_all_(module: nn.Module) -> None:
     """Rebuild every derived buffer below `module` (after changing parameters by hand)."""
     for m in module.modules():
