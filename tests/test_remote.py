@@ -1,6 +1,6 @@
 """The remote backend: the UI's entry point `RemoteService` against this app's API server (tiny
 checkpoints, real HTTP on localhost), and `python app.py --backend URL` driven through gradio_client.
-The audio equals the backend's engine's for the same seed, Stop frees the backend's row, the server's
+The audio and the words' times equal the backend's engine's for the same seed, Stop frees the backend's row, the server's
 messages reach the user verbatim, and a backend that is unreachable, killed mid-stream or given a
 wrong key is named in a clear message while the UI keeps serving."""
 import base64
@@ -28,6 +28,7 @@ from pipeline.engine import Chunk
 from pipeline.errors import BackendUnavailable, TTSInputError
 from pipeline.remote import RemoteService
 from pipeline.service import TINY, ChatEnd, ChatRequest, ModelService, SpeechRequest, StreamEnd, StreamStart, TextDelta, Turn
+from ui.latency import words_html
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "s3cret"
@@ -77,7 +78,7 @@ def test_the_audio_equals_the_backends_engine_for_the_same_seed(backend, referen
     assert isinstance(start, StreamStart) and start.backend == remote.url and start.random_weights
     assert chunks and all(isinstance(c, Chunk) and c.generate_ms is None and c.vocode_ms is None for c in chunks)  # not reported, not made up
     assert [c.index for c in chunks] == list(range(len(chunks))) and all(a.elapsed_ms <= b.elapsed_ms for a, b in zip(chunks, chunks[1:]))
-    assert isinstance(end, StreamEnd) and not end.stopped
+    assert isinstance(end, StreamEnd) and not end.stopped and end.words is None  # no word timestamps asked for
     expected = pcm16(audio_of(service.stream(SpeechRequest(**fields))))
     assert len(expected) == 30 * 1920 and np.array_equal(pcm16(audio_of(chunks)), expected)
 
@@ -98,6 +99,22 @@ def test_a_saved_voice_goes_to_the_backend_and_speaks_as_its_reference(backend, 
     damaged.write_bytes(Path(exported).read_bytes()[:100])
     with pytest.raises(TTSInputError, match="cut short"):
         list(remote.stream(SpeechRequest(**fields, voice_prompt=str(damaged))))
+
+
+@pytest.mark.parametrize("model_type, max_frames", [("base", 30), ("custom_voice", 30), ("voice_design", 30), ("custom_voice", 6)])
+def test_the_words_and_their_times_equal_the_backends_engines(backend, reference_wav, model_type, max_frames):
+    """The text fed one token per frame (Base's default layout, the others' on request): the backend's
+    word timings reach the StreamEnd as the local service gives them, words cut off by max_frames
+    left out alike."""
+    remote, service = backend
+    fields = dict(requests_for(reference_wav)[model_type], model_type=model_type, checkpoint=TINY, seed=11, max_frames=max_frames,
+                  non_streaming_mode=False, word_timestamps=True)
+    end = list(remote.stream(SpeechRequest(**fields)))[-1]
+    local = list(service.stream(SpeechRequest(**fields)))[-1]
+    assert isinstance(end, StreamEnd) and not end.stopped and isinstance(local, StreamEnd)
+    assert end.words == local.words and end.words  # each word's text, start and end
+    spoken = [word["word"] for word in end.words]
+    assert spoken == SPEECH.split()[:len(spoken)] and (len(spoken) < len(SPEECH.split())) == (max_frames == 6)
 
 
 def wait_for_free_rows(engine, what: str) -> None:
@@ -294,6 +311,20 @@ def test_the_ui_streams_the_backends_audio_to_the_player_and_the_panel(remote_ap
     request = SpeechRequest(SPEECH, speaker="ryan", language="english", model_type="custom_voice", seed=7, schedule="1, 2, 4, 8, 16", max_frames=25,
                             temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
     assert np.array_equal(audio, pcm16(audio_of(service.stream(request))))
+
+
+def test_a_tab_over_the_backend_shows_the_words_its_engine_times(remote_app, backend):
+    """With the text fed one token per frame (Advanced → Text layout), the tab asks the backend
+    for the words' times and shows them for the player to highlight, as a tab over an engine here does."""
+    _, url, _ = remote_app
+    outputs = list(Client(url, verbose=False).submit(TINY, "ryan", "", SPEECH, "english", *SHORT, "", "One token per frame",
+                                                     api_name="/custom_generate"))
+    shown = [o[-1] for o in outputs if isinstance(o[-1], str) and "pcm-words" in o[-1]][-1]  # the words box, last update
+    _, service = backend
+    request = SpeechRequest(SPEECH, speaker="ryan", language="english", model_type="custom_voice", seed=7, schedule="1, 2, 4, 8, 16", max_frames=25,
+                            temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, non_streaming_mode=False, word_timestamps=True)
+    words = list(service.stream(request))[-1].words
+    assert len({word["start"] for word in words}) > 1 and shown == words_html(words)
 
 
 def test_the_ui_names_a_backend_killed_mid_stream_and_serves_again_once_it_is_back(remote_app):

@@ -23,7 +23,7 @@ from pipeline.contract.running import Running, check_reference_upload, content_h
 from pipeline.errors import TTSInputError
 from pipeline.remote.backend import LOAD_TIMEOUT_S, Backend, StallRule
 from pipeline.remote.chat import QWEN3_OMNI_VOICES, chat_body, reply_items
-from pipeline.remote.speech import Connection, data_url, pcm_chunks, speech_body, unsent_settings
+from pipeline.remote.speech import Connection, EndEvents, data_url, pcm_chunks, speech_body, unsent_settings
 from pipeline.request import SpeechRequest
 
 if TYPE_CHECKING:
@@ -182,11 +182,11 @@ class RemoteService:
         reference = self._voice(checkpoint, request) if MODEL_TYPES[request.model_type].reference else None
         warnings = self._unsent_warnings(request)
         body = speech_body(request, checkpoint, self.ours, reference)
-        end_warnings: list[str] = []  # this app's backend tells them at the stream's end (text left unspoken)
+        end = EndEvents()  # this app's backend tells them after the audio: text left unspoken, the words' times
         with self._call("/v1/audio/speech", body, key) as (response, connection, started):
             yield StreamStart(checkpoint, self._random_weights(response, request.model_type, checkpoint), warnings, backend=self.url)
-            yield from pcm_chunks(response, connection, self.backend, started, end_warnings if self.ours else None)
-        yield StreamEnd(connection.stopped, end_warnings)
+            yield from pcm_chunks(response, connection, self.backend, started, end if self.ours else None)
+        yield StreamEnd(connection.stopped, end.warnings, end.words)
 
     def chat(self, request: ChatRequest, checkpoint: str | None = None, key: str = "") -> Iterator[StreamStart | TextDelta | Chunk | ChatEnd | StreamEnd]:
         """As `ModelService.chat`: the reply's text and speech as they arrive, a ChatEnd, a StreamEnd; a new

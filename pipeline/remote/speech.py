@@ -1,6 +1,6 @@
 """A Qwen3-TTS request over `POST /v1/audio/speech`: the body (our `SpeechRequest` in the fields both
-servers read), and the streamed audio (raw PCM, or this app's SSE events) cut back into `Chunk`s timed
-by their arrival here."""
+servers read), the streamed audio (raw PCM, or this app's SSE events) cut back into `Chunk`s timed
+by their arrival here, and what this app's events tell after the audio (`EndEvents`)."""
 from __future__ import annotations
 
 import base64
@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -161,13 +161,22 @@ class PcmCutter:
         return chunk
 
 
+@dataclass
+class EndEvents:
+    """What this app's SSE stream tells besides its audio, for the stream's `StreamEnd`: the warnings
+    of its end (text left unspoken) and, where the request asked for word timestamps, the words."""
+
+    warnings: list[str] = field(default_factory=list)
+    words: list[dict] | None = None  # [{"word", "start", "end"}] in seconds of the audio
+
+
 def pcm_chunks(response: httpx.Response, connection: Connection, backend: Backend, started: float,
-               warnings: list[str] | None = None) -> Iterator[Chunk]:
-    """The response's audio as Chunks: raw PCM or, given `warnings`, this app's SSE events (their
-    warnings are added to it). Stop ends it quietly; a backend that goes away raises BackendUnavailable."""
+               end: EndEvents | None = None) -> Iterator[Chunk]:
+    """The response's audio as Chunks: raw PCM or, given `end`, this app's SSE events (what they tell
+    besides the audio goes to `end`). Stop ends it quietly; a backend that goes away raises BackendUnavailable."""
     cutter = PcmCutter(started)
     try:
-        for data in (response.iter_bytes() if warnings is None else sse_audio(response, warnings)):
+        for data in (response.iter_bytes() if end is None else sse_audio(response, end)):
             if (chunk := cutter.take(data)) is not None:
                 connection.audio_arrived()
                 yield chunk
@@ -181,8 +190,8 @@ def pcm_chunks(response: httpx.Response, connection: Connection, backend: Backen
         yield chunk
 
 
-def sse_audio(response: httpx.Response, warnings: list[str]) -> Iterator[bytes]:
-    """The PCM of this app's `speech.audio.delta` events; its `speech.audio.warning`s go to `warnings`."""
+def sse_audio(response: httpx.Response, end: EndEvents) -> Iterator[bytes]:
+    """The PCM of this app's `speech.audio.delta` events; its `speech.audio.warning`s and `speech.audio.words` go to `end`."""
     for line in response.iter_lines():
         if not line.startswith("data: "):
             continue
@@ -190,4 +199,6 @@ def sse_audio(response: httpx.Response, warnings: list[str]) -> Iterator[bytes]:
         if event.get("type") == "speech.audio.delta":
             yield base64.b64decode(event["audio"])
         elif event.get("type") == "speech.audio.warning":
-            warnings.append(event["message"])
+            end.warnings.append(event["message"])
+        elif event.get("type") == "speech.audio.words":
+            end.words = event["words"]
