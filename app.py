@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--share", action="store_true", help="also serve on a public gradio.live link (default: off)")
     parser.add_argument(
         "--no-compile", action="store_true",
-        help="on CUDA, skip torch.compile of the prefill and of Omni's talker step, and, with --no-fused-kernels, of the decode step's "
-        "sampling and code embeddings (with the fused kernels those run inside them; faster start, slower prefill; default: compiled)"
+        help="on CUDA, skip torch.compile of Omni's talker step and prefill, and, with --no-fused-kernels, of the TTS prefill and the "
+        "decode step's sampling and code embeddings (with the fused kernels a TTS model compiles none of them; faster start, slower "
+        "prefill; default: compiled)"
     )
     parser.add_argument(
         "--no-fused-kernels", action="store_true", help="on CUDA, run the decode step's transformer layers as PyTorch modules (compiled unless "
