@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.engine.scheduler import LOOP_FRAMES
 from pipeline.kernels.config import KernelConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -58,8 +59,11 @@ def request(seed: int, greedy: bool):
 
 
 def greedy_codes(tts) -> np.ndarray:
+    """Up to FRAMES greedy frames. Greedy decoding of random weights can fall into a loop of codes, which
+    the runaway guard stops after LOOP_FRAMES frames of the pattern: two paths that agree stop at the
+    same frame, so the comparisons hold the lengths equal too."""
     codes = tts.synthesize(request(7, greedy=True)).codes
-    assert len(codes) == FRAMES
+    assert LOOP_FRAMES <= len(codes) <= FRAMES
     return codes
 
 
