@@ -467,15 +467,30 @@ def test_the_app_flag_reaches_the_engine(flags, fused):
     assert service.model("custom_voice").engine.decoder.fused is fused
 
 
-def test_a_service_asked_for_the_fused_kernels_gets_them():
+def test_a_service_asked_for_the_fused_kernels_gets_them(tiny_checkpoints):
     from pipeline.service import ModelService
 
-    service = ModelService(device="cpu", tiny=True, fused=True)
+    service = ModelService(device="cpu", tiny=True, tiny_dir=tiny_checkpoints["custom_voice"].parent, fused=True)
     assert service.model("custom_voice").engine.decoder.fused
 
 
+@pytest.fixture(scope="module")
+def frame_decoders(tiny_checkpoints) -> tuple[list, list[BatchDecoder]]:
+    """The tiny custom-voice talker and its twin, each under a decoder of ROWS rows: the modules' step
+    with PyTorch's glue, and the frame in kernels. Built once for the module: the frame decoder projects
+    its 33,792 code-table rows at construction, most of a minute in Triton's interpreter."""
+    from pipeline.loading import load_model
+
+    model = load_model(tiny_checkpoints["custom_voice"], torch.device(DEVICE), torch.float32)
+    talkers = [model.talker, copy.deepcopy(model.talker)]
+    pad = torch.randn(model.talker.config.hidden_size, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    decoders = [BatchDecoder(talker, pad, DecodeConfig.for_talker(talker, ROWS, 64, graphs=False, fused=fused, frame_kernels=fused))
+                for talker, fused in zip(talkers, (False, True))]
+    return talkers, decoders
+
+
 @torch.inference_mode()
-def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(tiny_checkpoints):
+def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(frame_decoders):
     """The frame with its glue inside the kernels (code draws and embeddings, the talker's input and
     head, the logit processors, the commit of each row's state) against the modules' step with
     PyTorch's glue, frame by frame: the same codes, tokens and state. Row 0 samples and runs out of
@@ -483,15 +498,11 @@ def test_the_frame_in_kernels_equals_the_step_in_pytorch_ops(tiny_checkpoints):
     ended (it goes on with tts_pad); row 2 is empty. The fused engine runs each frame over the
     first rows that hold every occupied one (row blocks: 2 of its 3 rows, then 1 once row 1 leaves)."""
     from pipeline.engine.sampling import SamplingConfig
-    from pipeline.loading import load_model
 
-    model = load_model(tiny_checkpoints["custom_voice"], torch.device(DEVICE), torch.float32)
-    talkers = [model.talker, copy.deepcopy(model.talker)]
-    hidden = model.talker.config.hidden_size
-    generator = torch.Generator().manual_seed(8)
-    pad, prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((hidden,), (1, 5, hidden), (1, hidden)))
-    decoders = [BatchDecoder(talker, pad, DecodeConfig.for_talker(talker, ROWS, 64, graphs=False, fused=fused, frame_kernels=fused))
-                for talker, fused in zip(talkers, (False, True))]
+    talkers, decoders = frame_decoders
+    hidden = talkers[0].config.hidden_size
+    generator = torch.Generator().manual_seed(9)
+    prompt, text = (torch.randn(*shape, generator=generator).to(DEVICE) for shape in ((1, 5, hidden), (1, hidden)))
     assert not decoders[0].fused and decoders[1].frame_kernels and decoders[1].block_sizes == [1, 2, ROWS] and decoders[0].block_sizes == [ROWS]
     sampled = SamplingConfig(top_k=20, top_p=0.9)
     for decoder in decoders:
@@ -540,19 +551,16 @@ def test_the_kernels_draw_the_noise_of_exponential_noise():
     torch.testing.assert_close(got, exponential_noise(seeds, starts, 300), rtol=1e-6, atol=0)
 
 
-def random_talker(checkpoint, predictor_hidden: int | None) -> "torch.nn.Module":
-    """The tiny checkpoint's talker (its code predictor narrower than the talker: an input
-    projection, as the 1.7B's), or with the code predictor as wide as the talker (the 0.6B's
-    layout); every weight random, norm weights away from 1, so a weight read from the wrong layer
-    or step shows."""
+def wide_predictor_talker(checkpoint) -> "torch.nn.Module":
+    """The tiny checkpoint's talker with its code predictor as wide as the talker (the 0.6B's layout:
+    no input projection), every weight random."""
     import json
 
     from pipeline.model import Talker, TalkerConfig
 
     raw = json.loads((checkpoint / "config.json").read_text())["talker_config"]
     predictor = raw["code_predictor_config"]
-    if predictor_hidden is not None:
-        predictor.update(hidden_size=predictor_hidden, head_dim=predictor_hidden // predictor["num_attention_heads"])
+    predictor.update(hidden_size=raw["hidden_size"], head_dim=raw["hidden_size"] // predictor["num_attention_heads"])
     torch.manual_seed(3)
     talker = Talker(TalkerConfig.from_dict(raw)).to(DEVICE).eval()
     for name, p in talker.named_parameters():
@@ -561,12 +569,13 @@ def random_talker(checkpoint, predictor_hidden: int | None) -> "torch.nn.Module"
 
 
 @torch.inference_mode()
-def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoints):
-    """A code predictor narrower than the talker (the 1.7B's layout) takes its next inputs from the
-    code tables projected once when the engine is built: each row, bit for bit, what projecting that
-    code's embedding alone in the step's matmul kernel gives, with other rows beside it or not, in
-    a chunk of the table or alone. As wide as the talker (the 0.6B's), the tables are the code
-    tables themselves.
+def test_the_projected_code_tables_hold_what_a_step_would_project(frame_decoders, tiny_checkpoints):
+    """A code predictor narrower than the talker (the tiny checkpoint's, the 1.7B's layout) takes its
+    next inputs from the code tables projected once when the engine is built: each row, bit for bit,
+    what projecting that code's embedding alone in the step's matmul kernel gives, with other rows
+    beside it or not, in a chunk of the table or alone (the tiny checkpoint's weights are random,
+    norm weights away from 1, so a weight read from the wrong layer or step shows). As wide as the
+    talker (the 0.6B's), the tables are the code tables themselves.
 
     On a GPU a row's bits do not depend on where it sits in the kernel's tile of BLOCK_M rows (one
     instruction sequence computes every row), so the row is projected first in a tile, as a
@@ -576,9 +585,7 @@ def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoin
     from pipeline.kernels import fused_linear
     from pipeline.kernels.decode import BLOCK_M
 
-    talker = random_talker(tiny_checkpoints["custom_voice"], None)
-    pad = torch.zeros(talker.config.hidden_size, device=DEVICE)
-    decoder = BatchDecoder(talker, pad, DecodeConfig.for_talker(talker, 2, 32, graphs=False, fused=True, frame_kernels=True))
+    (_, talker), (_, decoder) = frame_decoders
     project = talker.code_predictor.small_to_mtp_projection
     tables = decoder.code_tables
     assert isinstance(project, torch.nn.Linear) and decoder.next_tables.shape == (tables.shape[0], project.out_features)
@@ -589,7 +596,8 @@ def test_the_projected_code_tables_hold_what_a_step_would_project(tiny_checkpoin
         projected = torch.empty(1, place + 1, project.out_features, device=DEVICE)
         fused_linear(talker.code_predictor.model, project, alone, projected, CONFIG)
         assert torch.equal(decoder.next_tables[row], projected[0, place]), row
-    wider = random_talker(tiny_checkpoints["custom_voice"], 64)
+    wider = wide_predictor_talker(tiny_checkpoints["custom_voice"])
+    pad = torch.zeros(wider.config.hidden_size, device=DEVICE)
     wide = BatchDecoder(wider, pad, DecodeConfig.for_talker(wider, 2, 32, graphs=False, fused=True, frame_kernels=True))
     assert wide.next_tables is wide.code_tables
 
