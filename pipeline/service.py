@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -54,6 +56,13 @@ HUB_CHECKPOINTS = {kind.id: kind.hub_checkpoints for kind in MODEL_TYPES.values(
 VOICE_PROMPT_CACHE = 32  # voice prompts kept (a few kB to a few hundred kB each)
 
 
+def scratch_directory(owner: object, prefix: str) -> Path:
+    """A new temporary directory, removed with what it holds once `owner` is collected or the process exits."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    weakref.finalize(owner, shutil.rmtree, path, True)
+    return path
+
+
 class ModelService:
     """Lazy, shared, thread-safe checkpoints per model type, voice prompts by content, and stoppable streams."""
 
@@ -77,7 +86,7 @@ class ModelService:
         self.choices = {kind: (TINY,) for kind in MODEL_TYPES} if tiny else merged
         self.device, self.dtype, self.compiled, self.rows, self.fused = device, dtype, compiled, rows, fused
         self.free_memory = free_memory
-        self._tiny_root = Path(tiny_dir) if tiny_dir else Path(tempfile.mkdtemp(prefix="qwen3-tts-tiny-"))
+        self._tiny_root = Path(tiny_dir) if tiny_dir else scratch_directory(self, "qwen3-tts-tiny-")
         self._models: dict[tuple[str, str], TTS | OmniChat] = {}  # (model type, checkpoint) -> model
         self._load_locks: dict[tuple[str, str], threading.Lock] = {}
         self._progress: dict[tuple[str, str], tuple[int, int]] = {}  # loads under way: graphs captured of all
@@ -85,7 +94,7 @@ class ModelService:
         self._tiny_lock = threading.Lock()  # one writer of the tiny checkpoints at a time
         self.fallbacks: dict[str, Fallback] = {}
         self._voice_prompts: OrderedDict[tuple, VoicePrompt] = OrderedDict()
-        self._exports = Path(tempfile.mkdtemp(prefix="qwen3-tts-voices-"))  # voice files for download
+        self._exports = scratch_directory(self, "qwen3-tts-voices-")  # voice files for download
         self._running = Running()
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -418,3 +418,23 @@ def test_a_stop_that_cancels_its_run_reports_what_the_player_had():
     update = panel.stopped_update({"after_s": 2.44, "audio_s": 1.52, "chunks": 6})
     assert update == {panel.summary: "**Stopped after 2.4 s**, with 1.52 s of audio in 6 chunks; a stopped run leaves no WAV.", panel.audio: None}
     assert panel.stopped_update(None) == {panel.summary: gr.skip(), panel.audio: gr.skip()}  # Stop after the end: the finished run stays
+
+
+def test_a_service_leaves_no_scratch_directories_behind():
+    """The tiny checkpoints a service writes and its folder of voice files for download go with it
+    (and at the latest with the process): `app.py --tiny` started a hundred times leaves nothing."""
+    import gc
+    import tempfile
+
+    def scratch() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob("qwen3-tts-*"))
+
+    before = scratch()
+    service = ModelService(device="cpu", tiny=True)
+    service.model("custom_voice").engine.shutdown()
+    made = scratch() - before
+    assert sorted(p.name.split("-")[2] for p in made) == ["tiny", "voices"]
+    assert any((p / "custom_voice" / "config.json").is_file() for p in made)
+    del service
+    gc.collect()
+    assert not [p for p in made if p.exists()]
