@@ -15,6 +15,7 @@ import httpx
 import pytest
 from conftest import serving
 from starlette.applications import Starlette
+from test_ws_stream import read_until_closed
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -61,20 +62,13 @@ def post_error(url: str, body: dict, headers: dict | None = None) -> tuple[int, 
 def session(url: str, messages: list[dict], headers: dict | None = None) -> tuple[bytes, list[dict], int]:
     """Send the messages, then read until the server closes: the audio, the JSON events and the close code.
     A server that refuses at once may close before the messages are sent: what it said is still read."""
-    audio, events = bytearray(), []
     with connect(url.replace("http://", "ws://") + PATH, additional_headers=headers, open_timeout=HANG_GUARD_S,
                  close_timeout=HANG_GUARD_S) as ws:
         with contextlib.suppress(ConnectionClosed):
             for message in messages:
                 ws.send(json.dumps(message))
-        with contextlib.suppress(ConnectionClosed):
-            while True:
-                received = ws.recv(timeout=HANG_GUARD_S)
-                if isinstance(received, bytes):
-                    audio += received
-                else:
-                    events.append(json.loads(received))
-        return bytes(audio), events, ws.close_code
+        audio, events = read_until_closed(ws)
+        return audio, events, ws.close_code
 
 
 def good_session(service: ModelService, url: str, headers: dict | None = None) -> tuple[bytes, list[dict], int]:

@@ -53,22 +53,28 @@ def ws_url(url: str) -> str:
 def session(url: str, messages: list, pause_s: float = 0.0) -> tuple[bytes, list[dict], int]:
     """Send the messages (dicts as JSON, str as it is, bytes as binary) with a pause after each text
     piece; return the audio received, the JSON events, and the close code."""
-    audio, events = bytearray(), []
     with connect(ws_url(url), open_timeout=HANG_GUARD_S, close_timeout=HANG_GUARD_S) as ws:
         for message in messages:
             ws.send(json.dumps(message) if isinstance(message, dict) else message)
             if isinstance(message, dict) and message.get("type") == "input.text":
                 time.sleep(pause_s)
-        try:
-            while True:
-                received = ws.recv(timeout=HANG_GUARD_S)
-                if isinstance(received, bytes):
-                    audio += received
-                else:
-                    events.append(json.loads(received))
-        except ConnectionClosed:
-            pass
-        return bytes(audio), events, ws.close_code
+        audio, events = read_until_closed(ws)
+        return audio, events, ws.close_code
+
+
+def read_until_closed(ws) -> tuple[bytes, list[dict]]:
+    """What the server sends until it closes: the binary audio joined, and the JSON events in order."""
+    audio, events = bytearray(), []
+    try:
+        while True:
+            received = ws.recv(timeout=HANG_GUARD_S)
+            if isinstance(received, bytes):
+                audio += received
+            else:
+                events.append(json.loads(received))
+    except ConnectionClosed:
+        pass
+    return bytes(audio), events
 
 
 def whole_text_reference(service: ModelService, text: str) -> tuple[torch.Tensor, np.ndarray]:
