@@ -291,6 +291,30 @@ def test_vocoder_lanes_change_nothing_in_the_audio(tiny_checkpoints, models):
     laned.engine.shutdown()
 
 
+def test_batched_vocoder_calls_give_each_request_its_audio_alone_or_among_others(tiny_checkpoints):
+    """With batched vocoder lanes (as on CUDA), a request's steady chunks share calls with other rows'
+    when they come together; its codes and audio are the same bit for bit as when it runs alone (its
+    own calls padded), its audio stays the offline decode of its codes, and its chunks arrive in order."""
+    batched = TTS.from_pretrained(str(tiny_checkpoints["voice_design"]), rows=3, vocoder_lanes=3, vocoder_slots=2)
+    calls = []
+    decode_batch = batched.engine.vocoder.decode_batch
+    batched.engine.vocoder.decode_batch = lambda rows, *args: (calls.append(list(rows)), decode_batch(rows, *args))
+    requests = [SpeechRequest("Calm words, batched.", instruct="Calm.", seed=seed, max_frames=70) for seed in (4, 5, 6)]
+    alone = batched.submit(requests[0])
+    alone_chunks = list(alone)
+    lone_calls, calls[:] = list(calls), []
+    handles = [batched.submit(r) for r in requests]
+    together = [list(handle) for handle in handles]
+    assert lone_calls and all(len(rows) == 1 for rows in lone_calls)
+    assert any(len(rows) == 2 for rows in calls)  # steady chunks cut in the same frames shared a call
+    assert [c.index for c in together[0]] == list(range(len(together[0])))
+    np.testing.assert_array_equal(handles[0].codes.numpy(), alone.codes.numpy())
+    audio = np.concatenate([c.audio for c in together[0]])
+    np.testing.assert_array_equal(audio, np.concatenate([c.audio for c in alone_chunks]))
+    assert np.abs(audio - batched.decode(alone.codes)).max() <= 1e-5
+    batched.engine.shutdown()
+
+
 def test_a_load_reports_each_graph_captured_and_the_service_forgets_it_once_loaded(tiny_checkpoints):
     """The engine calls `progress(done, total)` after each graph it captures while it is built (on the CPU:
     the vocoder's calls, registered eager), in order up to the total; the service's record of a load under

@@ -1,6 +1,6 @@
 """The engine's policy, driven frame by frame by hand: no model, no threads, no clock (time is passed
 in). FIFO admission and queue positions, a cancel freeing its row for the next frame, chunk cuts,
-vocoder lanes, the ends of segments and requests with their warnings, rows waiting for text,
+vocoder lanes and batched vocoder calls, the ends of segments and requests with their warnings, rows waiting for text,
 admission that keeps playing streams ahead, and the runaway guard (frame budget, loops)."""
 import numpy as np
 import pytest
@@ -8,6 +8,9 @@ import torch
 
 from pipeline.engine.core import Job, Segment
 from pipeline.engine.scheduler import (
+    BATCH_FRAMES,
+    BATCH_LEAD_S,
+    BATCH_WAIT_FRAMES,
     EARLY_CHUNKS,
     LOOP_FRAMES,
     Admission,
@@ -18,6 +21,7 @@ from pipeline.engine.scheduler import (
     Scheduler,
     StartSegment,
     StepOutput,
+    VocodeBatch,
     frame_budget,
     keeps_ahead,
     vocoder_lane,
@@ -316,3 +320,100 @@ def test_a_stream_without_its_first_chunk_does_not_hold_the_queue():
     run(sched, 5, start=0.0)
     sched.add(request("b"))
     assert len(sched.schedule(0.05).admitted) == 1
+
+
+# ---- batched vocoder calls ---------------------------------------------------------------------
+
+STEADY = (1, 2, 4, 8, BATCH_FRAMES)  # the default schedule: chunks 4 on are BATCH_FRAMES long
+STEADY_AT = 1 + 2 + 4 + 8 + BATCH_FRAMES  # frames of a stream when its first steady chunk is cut
+
+
+def batching(rows: int = 4, slots: int = 2) -> Scheduler:
+    return scheduler(rows=rows, lanes=3, batch_lanes=2, slots=slots)
+
+
+def batches(actions: list) -> list[list[tuple[str, int]]]:
+    return [[(emit.handle.name, emit.index) for emit in a.emits] for a in actions if isinstance(a, VocodeBatch)]
+
+
+def test_steady_chunks_of_rows_cut_together_share_one_batched_call():
+    sched = batching(rows=2, slots=2)
+    sched.add(request("a", schedule=STEADY))
+    sched.add(request("b", schedule=STEADY))
+    actions = run(sched, STEADY_AT)
+    assert [(e.handle.name, e.index, e.lane) for e in of(actions, Emit)] == [
+        (name, index, vocoder_lane(row, index, 3)) for index in range(EARLY_CHUNKS) for row, name in enumerate("ab")]
+    assert all(e.lane < 2 for e in of(actions, Emit))  # first chunks: the two first-chunk lanes of the three one-stream lanes
+    assert batches(actions) == [[("a", EARLY_CHUNKS), ("b", EARLY_CHUNKS)]]
+    call = of(actions, VocodeBatch)[0]
+    assert call.lane in (3, 4) and all(len(e.codes) == BATCH_FRAMES for e in call.emits)
+    assert actions[-1] is call  # cut in the last frame, and full: it goes at once
+
+
+def test_a_lone_steady_chunk_waits_a_few_frames_for_company_then_goes_alone():
+    sched = batching(rows=2, slots=2)
+    sched.add(request("a", schedule=STEADY))
+    assert batches(run(sched, STEADY_AT + BATCH_WAIT_FRAMES - 1)) == []
+    actions = run(sched, 1, start=1.0)
+    assert batches(actions) == [[("a", EARLY_CHUNKS)]]
+    assert batches(run(sched, BATCH_FRAMES - 1, start=1.1)) == []  # the next one waits again
+    second = of(run(sched, 1 + BATCH_WAIT_FRAMES, start=2.0), VocodeBatch)
+    assert [(e.index, len(e.codes)) for call in second for e in call.emits] == [(EARLY_CHUNKS + 1, BATCH_FRAMES)]
+    assert of(actions, VocodeBatch)[0].lane != second[0].lane  # the batched lanes take turns
+
+
+def test_a_held_chunk_goes_before_its_rows_end_and_its_last_shorter_chunk():
+    sched = batching(rows=2, slots=2)
+    sched.add(request("a", schedule=STEADY))
+    actions = run(sched, STEADY_AT + 3)
+    actions += step(sched, sched.schedule(1.0), {0: 999}, eos=[0])
+    tail = actions[-3:]
+    assert batches(tail[:1]) == [[("a", EARLY_CHUNKS)]]
+    assert isinstance(tail[1], Emit) and (tail[1].index, len(tail[1].codes)) == (EARLY_CHUNKS + 1, 4) and tail[1].lane < 3
+    assert isinstance(tail[2], Finish)
+    assert len(of(actions, Emit)) + sum(len(b) for b in batches(actions)) == EARLY_CHUNKS + 2
+
+
+def test_a_cancelled_rows_held_chunk_is_dropped_and_its_row_reused_cleanly():
+    sched = batching(rows=1, slots=2)
+    sched.add(request("a", schedule=STEADY))
+    run(sched, STEADY_AT)
+    a = sched.rows[0].handle
+    assert sched.cancel(a).row == 0
+    sched.add(request("b", schedule=STEADY))
+    actions = run(sched, STEADY_AT + BATCH_WAIT_FRAMES, start=1.0)
+    assert batches(actions) == [[("b", EARLY_CHUNKS)]]
+
+
+def test_a_listener_short_of_audio_gets_its_held_chunk_at_once():
+    sched = batching(rows=2, slots=2)
+    sched.add(request("a", schedule=STEADY))
+    # Frames 100 ms apart: slower than real time, so by its first steady chunk the listener has
+    # 15 frames (1.2 s) given over ~2.6 s, and less than BATCH_LEAD_S left once its chunk is cut.
+    actions = run(sched, STEADY_AT, period=0.1)
+    assert batches(actions) == [[("a", EARLY_CHUNKS)]]
+    assert sched.rows[0].lead(0.1 * (STEADY_AT - 1)) - BATCH_FRAMES / 12.5 < BATCH_LEAD_S
+
+
+def test_which_chunks_batch_depends_on_the_request_only():
+    """Chunk index and length decide, not the neighbours: the same request's chunks take the same kind of call alone and among others."""
+    def calls(names: str) -> list[tuple[int, int, str]]:
+        sched = batching(rows=3, slots=3)
+        for name in names:
+            sched.add(request(name, schedule=(1, 2, 4, 8, 16, 12, 16)))
+        actions = run(sched, 1 + 2 + 4 + 8 + 16 + 12 + 16 + 16 + BATCH_WAIT_FRAMES)
+        kinds = [(e.index, len(e.codes), "one") for e in of(actions, Emit, "a")]
+        kinds += [(e.index, len(e.codes), "batched") for call in of(actions, VocodeBatch) for e in call.emits if e.handle.name == "a"]
+        return sorted(kinds)
+
+    alone = calls("a")
+    assert alone == calls("abc")
+    assert [kind for _, _, kind in alone] == ["one"] * EARLY_CHUNKS + ["batched", "one", "batched", "batched"]
+
+
+def test_without_slots_nothing_is_held():
+    sched = scheduler(rows=1, lanes=4, batch_lanes=2, slots=1)
+    sched.add(request("a", schedule=STEADY))
+    actions = run(sched, STEADY_AT)
+    assert batches(actions) == [] and len(of(actions, Emit)) == EARLY_CHUNKS + 1
+    assert of(actions, Emit)[-1].lane == vocoder_lane(0, EARLY_CHUNKS, 4)

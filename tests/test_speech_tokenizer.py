@@ -325,6 +325,68 @@ def test_a_stream_sounds_the_same_in_any_row_among_any_neighbours(ours):
     assert torch.equal(torch.cat(got), torch.cat(expected))
 
 
+def _batched_stream(multi, lane: int, slot_of: list[int], neighbours: int, chunks: list[torch.Tensor], primed=None) -> torch.Tensor:
+    """Row 1's audio when its first two chunks go one-stream and its 16-frame chunks through batched
+    `lane`, at slot `slot_of[i]` of call i, beside `neighbours` other rows with random codes."""
+    g = torch.Generator().manual_seed(16)
+    multi.reset_row(1, primed)
+    parts = []
+    for i, chunk in enumerate(chunks):
+        parts.append(_out(len(chunk)))
+        if len(chunk) != multi.BATCH_FRAMES:
+            multi.decode(1, chunk, parts[-1])
+            continue
+        others = [r for r in range(multi.streams) if r != 1][:neighbours]
+        rows = others[:slot_of[i]] + [1] + others[slot_of[i]:]
+        codes = [chunk if r == 1 else torch.randint(0, 2048, (multi.BATCH_FRAMES, 16), generator=g) for r in rows]
+        outs = [parts[-1] if r == 1 else _out(multi.BATCH_FRAMES) for r in rows]
+        multi.decode_batch(rows, codes, outs, lane)
+    return torch.cat(parts)
+
+
+def _check_batched(model: SpeechTokenizer, use_cuda_graphs: bool) -> None:
+    codes = _codes(4 + 16 * 3, seed=17)
+    chunks = list(codes.split([1, 3, 16, 16, 16]))
+    multi = model.multi_stream_decoder(4, use_cuda_graphs, lanes=1, batch_lanes=2, slots=3)
+    alone = _batched_stream(multi, 1, [0] * 5, 0, chunks)
+    crowded = _batched_stream(multi, 2, [0, 0, 2, 1, 0], 2, chunks)
+    assert torch.equal(alone, crowded) and not alone.isnan().any()
+    assert _max_diff(alone, model.decode(codes)) < TOL
+    ref_codes = _codes(REF_FRAMES, seed=30)
+    primed = _batched_stream(multi, 1, [1] * 5, 1, chunks, multi.primed_state(ref_codes))
+    assert _max_diff(primed, model.decode(torch.cat([ref_codes, codes]))[REF_FRAMES * HOP:]) < TOL
+    state = multi.row_state(0)
+    multi.decode_batch([1], [codes[4:20]], [_out(16)], 1)
+    assert all(torch.equal(a, b) for a, b in zip(state, multi.row_state(0)))  # padding slots write only their scratch rows
+
+
+def test_a_batched_call_decodes_each_stream_as_if_alone_in_it(ours):
+    """A row's audio through batched calls is the same bit for bit whatever shares the calls and in
+    whichever slot it sits (a padded call of one row too), the other rows' states are theirs, and
+    the stream stays the offline decode of its codes (a primed stream: after its reference)."""
+    _check_batched(ours, use_cuda_graphs=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_batched_call_with_cuda_graphs(checkpoint):
+    _check_batched(SpeechTokenizer.from_pretrained(checkpoint, "cuda"), use_cuda_graphs=True)
+
+
+def test_batched_calls_take_their_own_lanes_and_chunks(ours):
+    multi = ours.multi_stream_decoder(3, lanes=1, batch_lanes=1, slots=2)
+    assert [multi.batched(lane) for lane in range(2)] == [False, True]
+    chunk = _codes(16, seed=18)
+    with pytest.raises(ValueError, match="Lane 1 is batched"):
+        multi.decode(0, chunk, _out(16), lane=1)
+    with pytest.raises(ValueError, match="1 to 2 distinct rows in a batched lane"):
+        multi.decode_batch([0, 1, 2], [chunk] * 3, [_out(16)] * 3, 1)
+    with pytest.raises(ValueError, match="1 to 2 distinct rows in a batched lane"):
+        multi.decode_batch([0], [chunk], [_out(16)], 0)
+    with pytest.raises(ValueError, match="chunks of 16 frames"):
+        multi.decode_batch([0], [chunk[:8]], [_out(8)], 1)
+    assert ours.multi_stream_decoder(3, lanes=2, batch_lanes=2, slots=1).batch_lanes == 0  # one slot: no batched lanes
+
+
 def test_call_pieces_are_a_fixed_split_into_sizes_up_to_16(ours):
     pieces = ours.multi_stream_decoder(1).pieces
     assert pieces(1) == [1] and pieces(16) == [16] and pieces(13) == [8, 4, 1] and pieces(64) == [16] * 4

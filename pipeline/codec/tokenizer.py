@@ -87,5 +87,6 @@ class SpeechTokenizer(nn.Module):
     def stream_decoder(self) -> StreamingDecoder:
         return StreamingDecoder(self.decoder)
 
-    def multi_stream_decoder(self, streams: int, use_cuda_graphs: bool = False, lanes: int = 1) -> MultiStreamDecoder:
-        return MultiStreamDecoder(self.decoder, streams, use_cuda_graphs, lanes)
+    def multi_stream_decoder(self, streams: int, use_cuda_graphs: bool = False, lanes: int = 1, batch_lanes: int = 0,
+                             slots: int = 1) -> MultiStreamDecoder:
+        return MultiStreamDecoder(self.decoder, streams, use_cuda_graphs, lanes, batch_lanes, slots)

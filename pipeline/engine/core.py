@@ -7,9 +7,10 @@ Each loop iteration: apply commands (cancel, more text, the rest of a prompt), a
 which waiting requests to admit (their prefill runs between two frames), launch one decode step for
 every row, then read the previous step's codes (pinned host buffers, double-buffered) while the GPU
 works on this one and hand them to the scheduler. A chunk it cuts is vocoded on the vocoder's own
-CUDA streams (lanes), overlapping the next decode steps, one row per vocoder call (so that its audio
-never depends on its neighbours); a delivery thread hands each chunk to its listener as soon as its
-audio is on the host.
+CUDA streams (lanes), overlapping the next decode steps: one row per call, or the steady chunks of
+several rows in one batched call, where a row's audio does not depend on its neighbours either; a
+delivery thread per lane hands each chunk to its listener as soon as its audio is on the host (a
+chunk never waits behind another lane's longer call), each listener's chunks in order.
 
 Callers `submit` a `Job` (never changed by the engine) and get a `Handle`: an iterator of `Chunk`s.
 Closing it (Stop, the browser leaving) frees the row before the next frame.
@@ -25,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from pipeline.codec import MultiStreamDecoder
 from pipeline.contract.events import DEFAULT_SCHEDULE, SAMPLE_RATE, Chunk, Queued, Waiting
 from pipeline.engine.decoder import GENERATION_PRIORITY, BatchDecoder
 from pipeline.engine.sampling import SamplingConfig
-from pipeline.engine.scheduler import Action, Admission, Emit, Finish, Request, RowState, Schedule, Scheduler, StartSegment, StepOutput
+from pipeline.engine.scheduler import Action, Admission, Emit, Finish, Request, RowState, Schedule, Scheduler, StartSegment, StepOutput, VocodeBatch
 from pipeline.graphs import capture_all
 
 log = logging.getLogger(__name__)
@@ -222,8 +223,21 @@ class _Launch:
     schedule: Schedule  # the rows (and their segments) the step was launched for
 
 
+@dataclass(kw_only=True)
+class _Delivery:
+    """Something a delivery thread hands to a listener once `after` (the delivery of the same row's
+    item before it, in whatever lane) has happened; `delivered` is set once it has, or has failed."""
+
+    after: threading.Event | None
+    delivered: threading.Event = field(default_factory=threading.Event, init=False)
+
+    def wait_for_previous(self) -> None:
+        if self.after is not None:
+            self.after.wait()
+
+
 @dataclass
-class _Vocoded:
+class _Vocoded(_Delivery):
     """A chunk whose audio is on its way to the host; delivered once `done` has completed."""
 
     handle: Handle
@@ -238,6 +252,7 @@ class _Vocoded:
     def deliver(self) -> None:
         if self.done is not None:
             self.done.synchronize()  # releases the GIL while the GPU works
+        self.wait_for_previous()
         handle = self.handle
         handle._code_blocks.append(self.codes)
         elapsed = (time.perf_counter() - handle.submitted) * 1000.0
@@ -245,11 +260,12 @@ class _Vocoded:
 
 
 @dataclass
-class _Finished:
+class _Finished(_Delivery):
     handle: Handle
     error: BaseException | None = None
 
     def deliver(self) -> None:
+        self.wait_for_previous()
         self.handle._finish(self.error)
 
 
@@ -264,36 +280,46 @@ def _shutdown_engines() -> None:
 
 
 class Engine:
-    """Owns a model's decode state (BatchDecoder), its vocoder streams, two CUDA streams, the loop
-    thread and the delivery thread; its `scheduler` decides, under `lock`, what they do."""
+    """Owns a model's decode state (BatchDecoder), its vocoder, a CUDA stream for the decode step and
+    one per vocoder lane, the loop thread and a delivery thread per lane; its `scheduler` decides,
+    under `lock`, what they do."""
 
     def __init__(self, decoder: BatchDecoder, vocoder: MultiStreamDecoder, max_queue: int = 64, prefills_per_frame: int = 4,
                  progress: Callable[[int, int], None] | None = None):
         """`progress(done, total)`: called after each CUDA graph captured at load (its first run compiles the kernels it launches)."""
         self.decoder, self.vocoder = decoder, vocoder
         self.rows = decoder.rows
-        self.scheduler = Scheduler(self.rows, vocoder.lanes, decoder.eos_id, decoder.max_frames, max_queue, prefills_per_frame)
+        self.scheduler = Scheduler(self.rows, vocoder.lanes, decoder.eos_id, decoder.max_frames, max_queue, prefills_per_frame,
+                                   batch_lanes=vocoder.batch_lanes, slots=vocoder.slots)
         self.device = decoder.codes.device
         self.cuda = self.device.type == "cuda"
         self.gen_stream = torch.cuda.Stream(self.device, priority=GENERATION_PRIORITY) if self.cuda else None
-        # One stream per vocoder lane; a row's calls in different lanes are ordered by its event.
-        self.voc_streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in range(vocoder.lanes)]
+        # One stream per vocoder lane; a row's calls in different lanes are ordered by its event. Where
+        # batched lanes take the steady chunks, which come well ahead of playback, the one-stream lanes
+        # (a stream's first chunks: its time to first audio) run at the decode step's priority.
+        lanes = vocoder.lanes + vocoder.batch_lanes
+        self.voc_streams = [torch.cuda.Stream(self.device, priority=self._lane_priority(lane)) if self.cuda else None for lane in range(lanes)]
         self.row_lane: list[int | None] = [None] * self.rows
         self.row_vocoded = [torch.cuda.Event() if self.cuda else None for _ in range(self.rows)]
         self.row_samples = [0] * self.rows  # audio samples each row's stream has been given
+        self.row_delivered: list[threading.Event | None] = [None] * self.rows  # set once the row's last item is delivered
         self.prefill_timers: dict[int, tuple[int, list[_Timer]]] = {}  # row -> (segment epoch, its prefills), read with its first frame
         self.commands: list[Command] = []
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.thread: threading.Thread | None = None
-        self.delivery: threading.Thread | None = None
-        self.outbox: queue.Queue = queue.Queue()  # _Vocoded / _Finished, in order, for the delivery thread
+        self.deliveries: list[threading.Thread] = []
+        # _Vocoded / _Finished per lane, in the order of the lane's calls, for its delivery thread.
+        self.outboxes: list[queue.Queue] = [queue.Queue() for _ in range(lanes)]
         self.closing = False
         self.iteration = 0
         self._allocate_buffers()
         # Capture now, every row idle: a capture's warm-up runs would advance live rows.
         capture_all(decoder.captures() + vocoder.captures(), progress)
         _ENGINES.add(self)
+
+    def _lane_priority(self, lane: int) -> int:
+        return GENERATION_PRIORITY if self.vocoder.batch_lanes and not self.vocoder.batched(lane) else 0
 
     def _allocate_buffers(self) -> None:
         rows, pin = self.rows, self.cuda
@@ -380,7 +406,7 @@ class Engine:
         with self.lock:
             self.closing = True
             self.wake.notify()
-        for thread in (self.thread, self.delivery):  # the loop ends the delivery thread on its way out
+        for thread in (self.thread, *self.deliveries):  # the loop ends the delivery threads on its way out
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout)
 
@@ -388,18 +414,22 @@ class Engine:
         if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
             self.thread.start()
-            self.delivery = threading.Thread(target=self._deliver, name="tts-delivery", daemon=True)
-            self.delivery.start()
+            self.deliveries = [threading.Thread(target=self._deliver, args=(outbox,), name=f"tts-delivery-{lane}", daemon=True)
+                               for lane, outbox in enumerate(self.outboxes)]
+            for thread in self.deliveries:
+                thread.start()
 
-    def _deliver(self) -> None:
+    def _deliver(self, outbox: queue.Queue) -> None:
         if self.cuda:
             torch.cuda.set_device(self.device)
-        while (item := self.outbox.get()) is not None:
+        while (item := outbox.get()) is not None:
             try:
                 item.deliver()
             except Exception as exc:  # e.g. a failed copy: the listener gets the error, not a hang
                 log.exception("chunk delivery failed")
                 item.handle._finish(exc)
+            finally:
+                item.delivered.set()
 
     @staticmethod
     def _announce(positions: list[tuple[Handle, int]]) -> None:
@@ -439,7 +469,8 @@ class Engine:
                 for finish in self.scheduler.fail_waiting(shut):
                     finish.handle._finish(finish.error)
             self._carry_out(finished)
-        self.outbox.put(None)
+        for outbox in self.outboxes:
+            outbox.put(None)
 
     def _next_work(self, busy: bool) -> Schedule:
         """Apply commands, then the scheduler's admissions (all it can while idle, a few between frames so
@@ -481,8 +512,9 @@ class Engine:
     def _admit(self, admission: Admission) -> None:
         row, request = admission.row, admission.request
         self.row_samples[row] = 0
+        self.row_delivered[row] = None
         try:
-            with self._vocoder_stream(row, admission.lane) as stream:
+            with self._vocoder_stream([row], admission.lane) as stream:
                 if request.ready is not None:
                     stream.wait_event(request.ready)
                 self.vocoder.reset_row(row, request.job.vocoder_state)
@@ -550,6 +582,8 @@ class Engine:
         for action in actions:
             if isinstance(action, Emit):
                 self._emit(action)
+            elif isinstance(action, VocodeBatch):
+                self._vocode_batch(action)
             elif isinstance(action, Finish):
                 self._release(action)
             else:
@@ -562,30 +596,61 @@ class Engine:
 
     def _emit(self, emit: Emit) -> None:
         """Vocode a chunk the scheduler cut; the delivery thread hands it out."""
-        row = emit.row
-        audio = torch.empty(self.vocoder.output_samples(row, len(emit.codes)), pin_memory=self.cuda)
-        codes = torch.from_numpy(emit.codes)
+        audio = self._audio_buffer(emit)
         timer, done = _Timer(self.cuda), torch.cuda.Event() if self.cuda else None
-        with self._vocoder_stream(row, emit.lane):
+        with self._vocoder_stream([emit.row], emit.lane):
             timer.start()
-            self.vocoder.decode(row, codes.pin_memory() if self.cuda else codes, audio, emit.lane)
+            self.vocoder.decode(emit.row, self._host_codes(emit), audio, emit.lane)
             timer.stop()
             if done is not None:
                 done.record()
-        self.row_samples[row] += audio.numel()
-        self.outbox.put(_Vocoded(emit.handle, emit.index, emit.codes, audio, emit.generate_ms, timer, done, self.row_samples[row] / SAMPLE_RATE))
+        self._deliver_vocoded(emit, audio, timer, done)
+
+    def _vocode_batch(self, batch: VocodeBatch) -> None:
+        """Vocode the held steady chunks of several rows in one batched call; each is delivered as `_emit`'s."""
+        rows, audio = [emit.row for emit in batch.emits], [self._audio_buffer(emit) for emit in batch.emits]
+        timer, done = _Timer(self.cuda), torch.cuda.Event() if self.cuda else None
+        with self._vocoder_stream(rows, batch.lane):
+            timer.start()
+            self.vocoder.decode_batch(rows, [self._host_codes(emit) for emit in batch.emits], audio, batch.lane)
+            timer.stop()
+            if done is not None:
+                done.record()
+        for emit, samples in zip(batch.emits, audio):
+            self._deliver_vocoded(emit, samples, timer, done)
+
+    def _audio_buffer(self, emit: Emit) -> torch.Tensor:
+        return torch.empty(self.vocoder.output_samples(emit.row, len(emit.codes)), pin_memory=self.cuda)
+
+    def _host_codes(self, emit: Emit) -> torch.Tensor:
+        codes = torch.from_numpy(emit.codes)
+        return codes.pin_memory() if self.cuda else codes
+
+    def _deliver_vocoded(self, emit: Emit, audio: torch.Tensor, timer: "_Timer", done: "torch.cuda.Event | None") -> None:
+        self.row_samples[emit.row] += audio.numel()
+        self._post(emit.row, _Vocoded(emit.handle, emit.index, emit.codes, audio, emit.generate_ms, timer, done, self.row_samples[emit.row] / SAMPLE_RATE,
+                                      after=self.row_delivered[emit.row]))
+
+    def _post(self, row: int, item: "_Vocoded | _Finished") -> None:
+        """Queue `item` behind the row's last vocoder call, in that call's lane, after the row's earlier items."""
+        self.row_delivered[row] = item.delivered
+        self.outboxes[self.row_lane[row] or 0].put(item)
 
     @contextlib.contextmanager
-    def _vocoder_stream(self, row: int, lane: int):
-        """Run vocoder work of `row` in `lane`'s stream, after the row's earlier vocoder work."""
+    def _vocoder_stream(self, rows: list[int], lane: int):
+        """Run vocoder work of `rows` in `lane`'s stream, after each row's earlier vocoder work."""
         stream = self.voc_streams[lane]
         with self._stream(stream):
-            if self.cuda and self.row_lane[row] not in (None, lane):
-                stream.wait_event(self.row_vocoded[row])
+            if self.cuda:
+                for row in rows:
+                    if self.row_lane[row] not in (None, lane):
+                        stream.wait_event(self.row_vocoded[row])
             yield stream
             if self.cuda:
-                self.row_vocoded[row].record()
-        self.row_lane[row] = lane
+                for row in rows:
+                    self.row_vocoded[row].record()
+        for row in rows:
+            self.row_lane[row] = lane
 
     def _release(self, finish: Finish) -> None:
         """Free the row the scheduler let go of; the stream ends after the row's last chunk."""
@@ -595,4 +660,8 @@ class Engine:
             self.prefill_timers.pop(finish.row, None)
         finish.handle.warnings.extend(finish.warnings)
         finish.handle.segment_frames.extend(finish.segment_frames)
-        self.outbox.put(_Finished(finish.handle, finish.error))
+        if finish.row is None:  # never admitted: nothing of it was queued
+            self.outboxes[0].put(_Finished(finish.handle, finish.error, after=None))
+            return
+        self._post(finish.row, _Finished(finish.handle, finish.error, after=self.row_delivered[finish.row]))
+        self.row_delivered[finish.row] = None

@@ -7,7 +7,7 @@ passes the time in, carries tensors through it untouched and does what it return
 
     schedule(now) -> Schedule           the rows admitted (to prefill), queue positions, the rows the step is for
     (the engine prefills, runs the decode step, reads its codes)
-    update_from_output(schedule, StepOutput) -> [Emit | StartSegment | Finish, ...] in the order to carry out
+    update_from_output(schedule, StepOutput) -> [Emit | VocodeBatch | StartSegment | Finish, ...] in the order to carry out
 """
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ if TYPE_CHECKING:
     from pipeline.engine.core import Handle, Job, Segment
 
 EARLY_CHUNKS = 4  # a stream's first chunks (1, 2, 4 and 8 frames by default): little audio buffered yet
+
+# Steady chunks of BATCH_FRAMES frames share batched vocoder calls (see `Scheduler._cut`): one waits
+# for others at most BATCH_WAIT_FRAMES frames, and not once its listener has less than BATCH_LEAD_S of
+# audio left without it. Steady chunks come ~1 s or more ahead of playback, so the wait is inaudible.
+BATCH_FRAMES = 16
+BATCH_WAIT_FRAMES = 4
+BATCH_LEAD_S = 0.5
 
 # Admission that protects running streams (see `keeps_ahead`).
 LEAD_MARGIN_S = 0.05  # audio a playing stream keeps buffered at least: the vocoding and delivery of a chunk, with room
@@ -46,10 +53,11 @@ def chunk_sizes(schedule: Sequence[int]) -> Iterator[int]:
 
 
 def vocoder_lane(row: int, chunk_index: int, lanes: int) -> int:
-    """A stream's first chunks in the first half of the lanes, its steady chunks in the others, by
-    row: simultaneous arrivals vocode side by side, a new stream's second chunk (due 80 ms after
-    its first) never waits behind a queue of 16-frame chunks, and two running streams' 16-frame
-    chunks overlap (one call leaves part of an H200 idle: two calls at once take 1.6x one)."""
+    """The one-stream lane of a chunk: a stream's first chunks in the first half of the lanes, its
+    steady chunks in the others, by row: simultaneous arrivals vocode side by side, a new stream's
+    second chunk (due 80 ms after its first) never waits behind a queue of 16-frame chunks, and two
+    running streams' 16-frame chunks overlap (one call leaves part of an H200 idle: two calls at
+    once take 1.6x one). Where batched lanes exist, steady chunks of BATCH_FRAMES go there instead."""
     if lanes == 1:
         return 0
     early = (lanes + 1) // 2
@@ -243,7 +251,15 @@ class Finish:
     error: BaseException | None = None
 
 
-Action = Emit | StartSegment | Finish
+@dataclass
+class VocodeBatch:
+    """Vocode the steady chunks `emits` (BATCH_FRAMES frames each, distinct rows) in one call of batched vocoder `lane`."""
+
+    lane: int
+    emits: list[Emit]
+
+
+Action = Emit | VocodeBatch | StartSegment | Finish
 
 
 @dataclass
@@ -269,9 +285,15 @@ class Scheduler:
     """FIFO admission into `rows` rows, chunk cuts, vocoder lanes, segment and request ends."""
 
     def __init__(self, rows: int, lanes: int, eos: int, room: Callable[[int], int], max_queue: int = 64, prefills_per_frame: int = 4,
-                 margin_s: float = LEAD_MARGIN_S):
-        """`room(positions)`: frames a row holds after a prompt of that many positions."""
+                 margin_s: float = LEAD_MARGIN_S, batch_lanes: int = 0, slots: int = 1):
+        """`room(positions)`: frames a row holds after a prompt of that many positions. `lanes`
+        one-stream vocoder lanes, then `batch_lanes` lanes of `slots` streams a call (none where
+        `slots` is 1)."""
         self.lanes, self.eos, self.room = lanes, eos, room
+        self.batch_lanes, self.slots = (batch_lanes, slots) if slots > 1 and batch_lanes > 0 else (0, 1)
+        self.held: list[tuple[int, Emit]] = []  # (frame it was cut at, chunk) waiting to share a batched call
+        self.batch_turns = itertools.count()
+        self.frame = 0
         self.max_queue, self.prefills_per_frame, self.margin_s = max_queue, prefills_per_frame, margin_s
         self.rows: list[RowState | None] = [None] * rows
         self.waiting: deque[Request] = deque()
@@ -308,6 +330,7 @@ class Scheduler:
             return None
         state = self.rows[row]
         self.rows[row] = None
+        self.held = [(frame, emit) for frame, emit in self.held if emit.row != row]  # nobody listens to it any more
         return Finish(row, handle, state.warnings, state.segment_frames)
 
     def text_arrived(self, row: int, positions: int) -> None:
@@ -317,13 +340,15 @@ class Scheduler:
     def abort(self, row: int, error: BaseException) -> list[Action]:
         """The runtime failed the row (a prefill, a vocoder reset): its pending frames, then its end with `error`."""
         state = self.rows[row]
-        actions: list[Action] = [self._emit(state)] if state.pending else []
+        actions: list[Action] = self._cut(state) if state.pending else []
+        actions += self._release_held(row)
         self.rows[row] = None
         return [*actions, Finish(row, state.handle, state.warnings, state.segment_frames, error)]
 
     def fail_running(self, error: BaseException) -> list[Finish]:
         finished = [Finish(row, state.handle, state.warnings, state.segment_frames, error) for row, state in enumerate(self.rows) if state]
         self.rows = [None] * len(self.rows)
+        self.held = []
         return finished
 
     def fail_waiting(self, error: BaseException) -> list[Finish]:
@@ -357,6 +382,7 @@ class Scheduler:
     def update_from_output(self, schedule: Schedule, output: StepOutput) -> list[Action]:
         """Fold one step's frames into the rows it ran for; returns what to vocode, prefill and end, in order."""
         self._measure(output)
+        self.frame += 1
         actions: list[Action] = []
         for row, epoch in enumerate(schedule.running):
             state = self.rows[row]
@@ -371,6 +397,8 @@ class Scheduler:
             codes = np.array(output.codes[row])
             actions += self._add_frame(state, codes, output.now)
             actions += self._check_end(state, int(codes[0]), int(output.tokens[row]), output.now)
+        if self._batch_due(output.now):
+            actions += self._flush()
         self.last_frame_at = output.now if any(self.rows) else None
         return actions
 
@@ -405,7 +433,36 @@ class Scheduler:
         state.pending.append(codes)
         if not state.next_size:
             state.next_size = next(state.sizes)
-        return [self._emit(state, now)] if len(state.pending) >= state.next_size else []
+        return self._cut(state, now) if len(state.pending) >= state.next_size else []
+
+    def _cut(self, state: RowState, now: float | None = None) -> list[Action]:
+        """The row's pending frames as its next chunk: to vocode now (after the row's held chunk, if
+        any), or held to share a batched call. Which chunks are batched depends on the request only
+        (its chunk's index and length): a batched call's audio differs in the last bits from a
+        one-stream call's, and the same request must give the same audio alone or among others."""
+        emit = self._emit(state, now)
+        actions = self._release_held(state.row)
+        if self.slots > 1 and emit.index >= EARLY_CHUNKS and len(emit.codes) == BATCH_FRAMES:
+            self.held.append((self.frame, emit))
+            return actions + (self._flush() if len(self.held) == self.slots else [])
+        return [*actions, emit]
+
+    def _release_held(self, row: int) -> list[Action]:
+        """The held chunks' call now if `row` has one held (its later chunks and its end come after it)."""
+        return self._flush() if any(emit.row == row for _, emit in self.held) else []
+
+    def _batch_due(self, now: float) -> bool:
+        """Whether the held chunks go now: the oldest has waited its frames, or a listener runs short."""
+        if not self.held:
+            return False
+        if self.frame - self.held[0][0] >= BATCH_WAIT_FRAMES:
+            return True
+        return any(self.rows[emit.row].lead(now) - len(emit.codes) / FRAMES_PER_SECOND < BATCH_LEAD_S for _, emit in self.held)
+
+    def _flush(self) -> list[Action]:
+        lane = self.lanes + next(self.batch_turns) % self.batch_lanes
+        emits, self.held = [emit for _, emit in self.held], []
+        return [VocodeBatch(lane, emits)]
 
     def _emit(self, state: RowState, now: float | None = None) -> Emit:
         """The row's pending frames as its next chunk."""
@@ -453,7 +510,8 @@ class Scheduler:
         if not last:
             state.segment += 1
             return [self._start_segment(state)]
-        actions: list[Action] = [self._emit(state, now)] if state.pending else []
+        actions: list[Action] = self._cut(state, now) if state.pending else []
+        actions += self._release_held(state.row)
         self.rows[state.row] = None
         return [*actions, Finish(state.row, state.handle, state.warnings, state.segment_frames)]
 
