@@ -12,7 +12,10 @@ it has played: playback starts at the first piece, and resumes with the piece th
 audio-seconds delivered per second of the run; in the engine, the most requests waiting for a row
 and the most rows busy; GPU memory at its peak (allocated, reserved). A sweep over rates stops after
 the first rate whose p95 time to first audio is over 100 ms, where a stream stutters, or where a
-request fails or is cut (`--keep-going` runs every rate).
+request fails or is cut (`--keep-going` runs every rate). `--profile`: torch.profiler over a window of
+each run's arrivals (PROFILE_AT_S in, PROFILE_FOR_S long), reporting GPU kernel time per CUDA stream
+(the decode step's and each vocoder lane's) and the share of the window some kernel ran; the
+profiler slows the run, so a profiled run's other figures are not comparable with an unprofiled one's.
 
 Random weights at the real 0.6B and 1.7B CustomVoice sizes (benchmarks.speed's `random_tts`: the
 codec head's EOS row is zeroed, so every request makes the frames its text asks for), compiled and
@@ -53,6 +56,7 @@ TTFA_LIMIT_MS = 100.0  # a rate holds with p95 time to first audio at most this 
 PATHS = ("process", "http")
 SAMPLE_EVERY_S = 0.005  # how often the engine's queue is looked at
 JOIN_GUARD_S = 60.0  # a client that has not ended this long after its stream was cut is a hang
+PROFILE_AT_S, PROFILE_FOR_S = 5.0, 2.0  # the profiled window of a run (--profile), from its first arrival
 
 # 3-20 s of speech at CHARS_PER_SECOND (45-300 characters), spread over that range.
 SENTENCES = (
@@ -270,9 +274,70 @@ def cut_waiting(tts: TTS) -> None:
         tts.engine.cancel(request.handle)
 
 
-def run_rate(target: Target, path: str, rate: float, duration: float, seed: int, drain: float) -> dict:
+class KernelWindow:
+    """torch.profiler over the GPU's kernels from `at` seconds into a run, for `seconds` (`tick` with the
+    run's elapsed time starts and stops it); `summary()` after the run."""
+
+    def __init__(self, at: float = PROFILE_AT_S, seconds: float = PROFILE_FOR_S):
+        self.at, self.seconds = at, seconds
+        self.profiler = None
+        self.started_at = None
+        self.stopped = False
+
+    def tick(self, elapsed: float) -> None:
+        if self.profiler is None and elapsed >= self.at:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.profiler = profile(activities=[ProfilerActivity.CUDA])
+            self.profiler.start()
+            self.started_at = time.perf_counter()
+        elif not self.stopped and self.profiler is not None and time.perf_counter() - self.started_at >= self.seconds:
+            self.stop()  # timed from the profiler's start, which itself takes seconds the first time
+
+    def stop(self) -> None:
+        if self.profiler is not None and not self.stopped:
+            self.profiler.stop()
+            self.stopped = True
+
+    def summary(self) -> dict | None:
+        """Kernel time per CUDA stream over the window (None: the run ended before it began)."""
+        self.stop()
+        if self.profiler is None:
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            self.profiler.export_chrome_trace(str(trace))
+            events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+        return kernel_summary(events)
+
+
+def kernel_summary(events: list[dict]) -> dict:
+    """Chrome-trace kernel events (`ts`, `dur` in us, `args.stream`, `name`): per stream its kernel time, kernel
+    count and longest-running kernel, heaviest first; the window from the first kernel's start to the last one's
+    end, and the share of it that at least one kernel ran (overlapping kernels of different streams counted once)."""
+    per_stream: dict[int, dict] = {}
+    for e in events:
+        stream = per_stream.setdefault(e["args"].get("stream"), {"kernel_ms": 0.0, "kernels": 0, "by_name": {}})
+        stream["kernel_ms"] += e["dur"] / 1000.0
+        stream["kernels"] += 1
+        stream["by_name"][e["name"]] = stream["by_name"].get(e["name"], 0.0) + e["dur"]
+    busy_us, end = 0.0, None
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        if end is None or start > end:
+            busy_us, end = busy_us + (stop - start), stop
+        elif stop > end:
+            busy_us, end = busy_us + (stop - end), stop
+    streams = [{"stream": stream, "kernel_ms": v["kernel_ms"], "kernels": v["kernels"], "top": max(v["by_name"], key=v["by_name"].get)}
+               for stream, v in per_stream.items()]
+    window_us = max((e["ts"] + e["dur"] for e in events), default=0.0) - min((e["ts"] for e in events), default=0.0)
+    return {"window_s": window_us / 1e6, "busy_share": busy_us / window_us if window_us else 0.0,
+            "streams": sorted(streams, key=lambda s: -s["kernel_ms"])}
+
+
+def run_rate(target: Target, path: str, rate: float, duration: float, seed: int, drain: float, profile: bool = False) -> dict:
     """One run: the arrivals of `workload(rate, duration, seed)` sent through `path`, each on its own thread at
-    its time; after the last one, `drain` seconds at most for the streams to end, then the rest are cut."""
+    its time; after the last one, `drain` seconds at most for the streams to end, then the rest are cut.
+    `profile`: a KernelWindow over the arrivals, its summary in the result's `gpu_profile`."""
     arrivals, listen = workload(rate, duration, seed), target.listener(path)
     streams: list[Stream | None] = [None] * len(arrivals)
     cut = threading.Event()
@@ -283,10 +348,14 @@ def run_rate(target: Target, path: str, rate: float, duration: float, seed: int,
     if target.tts.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     watch, threads, start = QueueWatch(target.tts), [], time.perf_counter()
+    window = KernelWindow() if profile else None
     for arrival in arrivals:
         time.sleep(max(0.0, start + arrival.at - time.perf_counter()))
+        if window is not None:
+            window.tick(time.perf_counter() - start)
         threads.append(threading.Thread(target=client, args=(arrival,), daemon=True))
         threads[-1].start()
+    gpu_profile = window.summary() if window is not None else None
     deadline = start + duration + drain
     for thread in threads:
         thread.join(max(0.0, deadline - time.perf_counter()))
@@ -300,7 +369,7 @@ def run_rate(target: Target, path: str, rate: float, duration: float, seed: int,
     watch.stop()
     result = summary([s for s in streams if s is not None], len(arrivals), wall, duration)
     result.update(size=target.name, path=path, rate=rate, duration_s=duration, seed=seed, cut=was_cut,
-                  max_waiting=watch.max_waiting, max_rows_busy=watch.max_busy, **gpu_peaks(target.tts))
+                  max_waiting=watch.max_waiting, max_rows_busy=watch.max_busy, gpu_profile=gpu_profile, **gpu_peaks(target.tts))
     result["held"] = holds(result)
     return result
 
@@ -342,12 +411,12 @@ def gpu_peaks(tts: TTS) -> dict:
 
 
 def sweep(target: Target, paths: list[str], rates: list[float], duration: float, seed: int, drain: float, keep_going: bool,
-          on_result: Callable[[dict], None]) -> None:
+          on_result: Callable[[dict], None], profile: bool = False) -> None:
     """Every path at each rate in turn, until a rate where one of them does not hold (unless `keep_going`)."""
     for rate in rates:
         held = True
         for path in paths:
-            result = run_rate(target, path, rate, duration, seed, drain)
+            result = run_rate(target, path, rate, duration, seed, drain, profile)
             on_result(result)
             held = held and result["held"]
         if not held and not keep_going:
@@ -441,6 +510,13 @@ def markdown(report: dict) -> str:
     lines += ["", f"Highest rate holding p95 TTFA ≤ {TTFA_LIMIT_MS:.0f} ms with every request completed and no stream stuttering:"]
     for (size, path), rate in highest_held(report["results"]).items():
         lines.append(f"- {size}, {path}: {'none of those run' if rate is None else f'{rate:g} requests/s'}")
+    profiled = [r for r in report["results"] if r.get("gpu_profile")]
+    if profiled:
+        lines += ["", "GPU kernels in a profiled window of each run (the profiler slows the run), ms per CUDA stream (its heaviest kernel):"]
+    for r in profiled:
+        g = r["gpu_profile"]
+        streams = ", ".join(f"{s['kernel_ms']:,.0f} ({s['top'][:40]})" for s in g["streams"])
+        lines.append(f"- {r['size']} {r['path']} {r['rate']:g}/s: busy {g['busy_share']:.0%} of {g['window_s']:.1f} s; {streams}")
     return "\n".join(lines) + "\n"
 
 
@@ -511,6 +587,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the sentences (default 0)")
     parser.add_argument("--rows", type=int, default=None, help="rows of the engine (default: as the app plans them from the GPU's memory)")
     parser.add_argument("--keep-going", action="store_true", help="run every rate, past the first that does not hold")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"GPU kernel time per CUDA stream over {PROFILE_FOR_S:g} s of each run, from {PROFILE_AT_S:g} s in (slows the run)")
     parser.add_argument("--tiny", action="store_true", help="the tiny random checkpoint on the CPU, to try the script (--sizes ignored)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="where the JSON, markdown and PNG go (default docs/benchmarks)")
     return parser.parse_args(argv)
@@ -530,6 +608,9 @@ def sizes_to_run(args: argparse.Namespace) -> list[str] | None:
     """The model sizes a run covers (["tiny"] with --tiny), or None after saying that it needs a CUDA GPU."""
     if not args.tiny and not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU (or --tiny to try it on the CPU)", file=sys.stderr)
+        return None
+    if args.profile and not torch.cuda.is_available():
+        print("error: --profile measures GPU kernels and needs a CUDA GPU", file=sys.stderr)
         return None
     return ["tiny"] if args.tiny else args.sizes
 
@@ -564,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "http" in args.paths:
                     serve(target)
                 warm_paths(target, args.paths)
-                sweep(target, args.paths, args.rates, args.duration, args.seed, args.drain, args.keep_going, on_result)
+                sweep(target, args.paths, args.rates, args.duration, args.seed, args.drain, args.keep_going, on_result, args.profile)
             finally:
                 target.close()
             del target

@@ -110,6 +110,21 @@ def vocoder_ms(tts: TTS, calls: int = 20) -> dict[int, float]:
     return result
 
 
+@torch.inference_mode()
+def vocoder_batch_ms(tts: TTS, calls: int = 20) -> dict[str, float] | None:
+    """One batched vocoder call (its `slots` streams' 16-frame chunks, padded where fewer run), ms; None without batched lanes."""
+    vocoder = tts.engine.vocoder
+    if not vocoder.batch_lanes:
+        return None
+    frames = vocoder.BATCH_FRAMES
+    codes = torch.randint(0, 2048, (frames, 16), device=tts.device)
+    out = torch.empty(frames * vocoder.decoder.config.upsample, device=tts.device)
+    vocoder.decode(0, codes[:1], out[:vocoder.decoder.config.upsample])  # past its first call, as a steady chunk is
+    ms = statistics.median(cuda_ms(lambda: vocoder.decode_batch([0], [codes], [out], vocoder.lanes), calls) for _ in range(RUNS))
+    vocoder.reset_row(0)
+    return {"slots": vocoder.slots, "frames": frames, "ms": ms}
+
+
 def kernels_per_frame(tts: TTS) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -208,6 +223,7 @@ def bench_size(size: str, workdir: Path, rows: int, streams: list[int], frames: 
     single.warm_up()
     result["rows_1"] = step_ms(single, 1)
     result["vocoder_ms"] = vocoder_ms(single)
+    result["vocoder_batch_ms"] = vocoder_batch_ms(single)
     del single
     torch.cuda.empty_cache()
     start = time.perf_counter()
@@ -235,6 +251,10 @@ def markdown(report: dict) -> str:
                   "|---|" + "---|" * len(r["vocoder_ms"]),
                   "| ms per call | " + " | ".join(f"{t:.2f}" for t in r["vocoder_ms"].values()) + " |",
                   "| ms per frame | " + " | ".join(f"{t / n:.2f}" for n, t in r["vocoder_ms"].items()) + " |"]
+        if r.get("vocoder_batch_ms"):
+            batch = r["vocoder_batch_ms"]
+            lines += ["", f"Batched vocoder call, {batch['slots']} streams x {batch['frames']} frames: {batch['ms']:.2f} ms "
+                          f"({batch['ms'] / batch['slots']:.2f} ms a chunk)."]
         lines += ["", f"Kernels per decode step: {r['kernels_per_frame']}. Build, capture and compile of the engine: {r['load_capture_compile_s']:.0f} s.", "",
                   "| streams | arrival | aggregate x real time | TTFA p50 ms | TTFA p95 ms | gap p95 ms | gap max ms | stutters |",
                   "|---|---|---|---|---|---|---|---|"]

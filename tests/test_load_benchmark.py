@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks import load
 from pipeline.tts import SAMPLES_PER_FRAME
@@ -95,6 +96,27 @@ def test_rates_are_numbers_separated_by_commas(capsys):
         with pytest.raises(SystemExit):
             load.parse_args(["--rates", bad])
         assert "--rates takes" in capsys.readouterr().err
+
+
+def kernel(stream: int, name: str, start_us: float, dur_us: float) -> dict:
+    return {"cat": "kernel", "name": name, "ts": start_us, "dur": dur_us, "args": {"stream": stream}}
+
+
+def test_a_profiled_window_sums_each_streams_kernels_and_counts_overlaps_once():
+    events = [kernel(7, "_linear_kernel", 0, 300), kernel(7, "_qkv_kernel", 400, 100), kernel(13, "_conv_kernel", 200, 400),
+              kernel(13, "_conv_kernel", 1_500, 500), kernel(13, "elementwise", 1_700, 100)]
+    summary = load.kernel_summary(events)
+    assert [(s["stream"], s["kernel_ms"], s["kernels"], s["top"]) for s in summary["streams"]] == [
+        (13, 1.0, 3, "_conv_kernel"), (7, 0.4, 2, "_linear_kernel")]
+    assert summary["window_s"] == pytest.approx(0.002)  # the first kernel's start to the last one's end
+    assert summary["busy_share"] == pytest.approx((600 + 500) / 2000)  # [0, 600) and [1500, 2000) busy
+
+
+def test_profile_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert load.main(["--tiny", "--profile", "--rates", "1", "--duration", "1"]) == 2
+    assert "--profile measures GPU kernels and needs a CUDA GPU" in capsys.readouterr().err
 
 
 # ---- a run on the tiny checkpoint -----------------------------------------------------------------
