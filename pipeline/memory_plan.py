@@ -38,11 +38,19 @@ GIB = 2**30
 # engine of a process took 2.69 GiB (0.6B, 4 rows): 1.75 GiB more, paid once (PROCESS_RESERVE_BYTES).
 TTS_RESERVE_BYTES = 1 * GIB
 PROCESS_RESERVE_BYTES = int(1.75 * GIB)
+# A TTS engine of VOCODER_BATCH_ROWS rows or more on CUDA vocodes its steady chunks in batched calls
+# (pipeline.tts: VOCODER_SLOTS), whose two lanes' graph pools hold several streams' activations: on an
+# H100 the 64-row engines' peak reserved memory under load rose by 1.6-1.7 GiB with them (0.6B 18.4 ->
+# 20.0 GiB, 1.7B 20.7 -> 22.4 at 10 requests/s). Smaller engines keep one stream a call and do not pay
+# it, so the cards that give a model fewer rows keep them all.
+VOCODER_BATCH_ROWS = 48
+VOCODER_BATCH_BYTES = 2 * GIB
 # Rows a TTS model gets at most without --rows: as many as the free memory holds, up to TTS_MOST_ROWS, and no
 # more than let the app's default checkpoints of its three TTS tabs (SHARED_TTS) share the card with as many
 # rows each, so that a model loaded first leaves room for the others (bf16: an L4's 22.5 GiB, 11 rows each;
-# 40 GiB, 37; 64 from 58.3 GiB). Never fewer than TTS_LEAST_CAP: on a card too small for the three to share
-# with that many rows each (under 20.8 GiB), each model gets what its free memory holds, up to that.
+# 40 GiB, 37; 48-53 GiB, 47, where the batched vocoder does not fit beside 48 rows each; 64 from 64.3 GiB).
+# Never fewer than TTS_LEAST_CAP: on a card too small for the three to share with that many rows each
+# (under 20.8 GiB), each model gets what its free memory holds, up to that.
 TTS_MOST_ROWS, TTS_LEAST_CAP = 64, 8
 SHARED_TTS = (("0.6B", "base"), ("0.6B", "custom_voice"), ("1.7B", "voice_design"))  # pipeline.service.HUB_CHECKPOINTS' first of each TTS tab
 # Qwen3-Omni on an H100 (benchmarks.omni, docs/BENCHMARKS.md): 4.7 GiB reserved beyond what is
@@ -60,7 +68,8 @@ class NotEnoughMemory(TTSInputError):
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """One model's memory: `weights` + `reserve` + rows x `per_row` bytes."""
+    """One model's memory: `weights` + `reserve` + rows x `per_row` bytes, and `batch_reserve` more for an
+    engine of VOCODER_BATCH_ROWS rows or more (its batched vocoder lanes)."""
 
     name: str  # what the sentences call the model: its checkpoint's name
     dtype: str
@@ -68,16 +77,17 @@ class MemoryPlan:
     per_row: int
     reserve: int
     max_rows: int  # the most rows chosen when none are asked for
+    batch_reserve: int = 0
 
     def needed(self, rows: int) -> int:
-        return self.weights + self.reserve + rows * self.per_row
+        return self.weights + self.reserve + rows * self.per_row + (self.batch_reserve if rows >= VOCODER_BATCH_ROWS else 0)
 
     def rows_that_fit(self, free: int) -> int:
         """The rows to build when none are asked for: as many as `free` bytes hold, from 1 to `max_rows`."""
         return max(1, min(self.max_rows, self._most_rows(free)))
 
     def _most_rows(self, free: int) -> int:
-        return max(0, (free - self.weights - self.reserve) // self.per_row)
+        return most_rows(free - self.weights - self.reserve, self.per_row, self.batch_reserve)
 
     def weights_sentence(self, free: int) -> str:
         return (f"{self.name} needs about {gib(self.needed(1))} GiB of GPU memory in {self.dtype} (its weights, working memory and one "
@@ -99,6 +109,16 @@ class MemoryPlan:
         return rows
 
 
+def most_rows(room: int, per_row: int, batch_reserve: int) -> int:
+    """The most rows of `per_row` bytes that `room` bytes hold, where VOCODER_BATCH_ROWS rows or more also
+    need `batch_reserve`: fewer than VOCODER_BATCH_ROWS where that reserve does not fit beside them."""
+    plain = max(0, room) // per_row
+    if plain < VOCODER_BATCH_ROWS:
+        return plain
+    batched = (room - batch_reserve) // per_row
+    return batched if batched >= VOCODER_BATCH_ROWS else VOCODER_BATCH_ROWS - 1
+
+
 def gib(size: int) -> str:
     return f"{size / GIB:.1f}"
 
@@ -117,7 +137,7 @@ def tts_row_cap(total: int, dtype: torch.dtype, max_seq: int) -> int:
     with caches of `max_seq` positions (see TTS_MOST_ROWS)."""
     plans = shared_tts_plans(dtype, max_seq)
     room = total - CUDA_CONTEXT_BYTES - PROCESS_RESERVE_BYTES - sum(plan.weights + plan.reserve for plan in plans)
-    shared = max(0, room) // sum(plan.per_row for plan in plans)
+    shared = most_rows(room, sum(plan.per_row for plan in plans), sum(plan.batch_reserve for plan in plans))
     return min(TTS_MOST_ROWS, max(TTS_LEAST_CAP, shared))
 
 
@@ -315,7 +335,7 @@ def tts_plan(config: TTSConfig, codec: SpeechTokenizerConfig, dtype: torch.dtype
     per_row = decoder_row_bytes(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, t.hidden_size, t.vocab_size, t.code_predictor_config,
                                 max_seq, dtype, frame_kernels)
     per_row += codec_stream_bytes(codec.decoder)
-    return MemoryPlan(name, str(dtype).removeprefix("torch."), weights, per_row, TTS_RESERVE_BYTES, max_rows)
+    return MemoryPlan(name, str(dtype).removeprefix("torch."), weights, per_row, TTS_RESERVE_BYTES, max_rows, VOCODER_BATCH_BYTES)
 
 
 def read_tts_configs(directory: Path) -> tuple[TTSConfig, SpeechTokenizerConfig]:

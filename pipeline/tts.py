@@ -37,9 +37,10 @@ DEFAULT_MAX_SEQ = 2048  # talker positions per segment: prompt + up to ~2.5 min 
 # as the free memory holds, at most 16 (8 on a card under 40 GiB; pipeline.memory_plan).
 DEFAULT_ROWS = {"cuda": 16, "cpu": 4}
 # Vocoder calls that may run at once: one-stream lanes (pipeline.engine.scheduler.vocoder_lane: a stream's
-# first chunks in two, other steady chunks in the third) and, on CUDA, two batched lanes whose calls decode
-# the 16-frame steady chunks of up to VOCODER_SLOTS streams at once (H100, 1.7B: a call of 4 x 16 frames
-# takes 9.6 ms against 4.3 ms for one stream's). One lane on the CPU.
+# first chunks in two, other steady chunks in the third) and, on CUDA in an engine of
+# memory_plan.VOCODER_BATCH_ROWS rows or more, two batched lanes whose calls decode the 16-frame steady
+# chunks of up to VOCODER_SLOTS streams at once (H100, 1.7B: a call of 4 x 16 frames takes 9.6 ms against
+# 4.3 ms for one stream's; 8 streams a call made a load of 20 requests/s stutter more). One lane on the CPU.
 VOCODER_LANES = {"cuda": 3}
 VOCODER_SLOTS = {"cuda": 4}
 BATCH_LANES = 2
@@ -110,7 +111,8 @@ class TTS:
     ):
         """`progress(done, total)`: after each CUDA graph the engine captures while it is built (see Engine).
         `vocoder_lanes` / `vocoder_slots`: the vocoder's one-stream lanes, and the streams a batched
-        call decodes (1: no batched lanes); by default the device's (VOCODER_LANES, VOCODER_SLOTS)."""
+        call decodes (1: no batched lanes); by default the device's (VOCODER_LANES; VOCODER_SLOTS in an
+        engine of memory_plan.VOCODER_BATCH_ROWS rows or more)."""
         self.model = model
         self.config = model.config
         self.text_tokenizer = text_tokenizer
@@ -126,7 +128,7 @@ class TTS:
             settings = DecodeConfig.for_talker(model.talker, self.rows, max_seq, use_cuda_graphs, compiled, fused=fused, kernels=kernels)
             decoder = BatchDecoder(model.talker, tts_pad, settings)
             lanes = vocoder_lanes or VOCODER_LANES.get(self.device.type, 1)
-            slots = vocoder_slots or VOCODER_SLOTS.get(self.device.type, 1)
+            slots = vocoder_slots or (VOCODER_SLOTS.get(self.device.type, 1) if self.rows >= memory_plan.VOCODER_BATCH_ROWS else 1)
             vocoder = speech_tokenizer.multi_stream_decoder(self.rows, use_cuda_graphs, lanes, BATCH_LANES if slots > 1 else 0, slots)
             self.engine = Engine(decoder, vocoder, max_queue=max_queue, progress=progress)
 

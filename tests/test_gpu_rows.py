@@ -1,8 +1,8 @@
 """On a CUDA GPU (skipped elsewhere): an engine of 64 rows, the most a TTS model gets from the memory plan,
 keeps a row's codes and audio independent of its neighbours. The same request and seed, greedy and sampled,
 give the same codes and bit-identical audio alone (a frame over a block of one row) and among 63 other
-requests (every row occupied: frames over all 64), in the first row and in the last, while neighbours of
-other lengths leave. Random weights at the real 0.6B size, bf16, compiled and captured as served."""
+requests (every row occupied: frames over all 64; steady chunks vocoded in calls shared with other rows),
+in the first row and in the last, while neighbours of other lengths leave. Random weights at the real 0.6B size, bf16, compiled and captured as served."""
 import tempfile
 from pathlib import Path
 
@@ -48,6 +48,7 @@ def heard(handle, tts) -> tuple[np.ndarray, bool]:
 def test_the_engine_runs_frames_over_row_blocks_up_to_64(wide):
     assert wide.rows == ROWS
     assert wide.engine.decoder.block_sizes == [1, 2, 4, 8, 16, 32, 64]
+    assert wide.engine.vocoder.batch_lanes == 2 and wide.engine.vocoder.slots == 4  # steady chunks share batched calls
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])

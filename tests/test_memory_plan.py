@@ -22,7 +22,7 @@ from pipeline.codec.decoder import SpeechDecoder
 from pipeline.codec.streaming import derive_all_
 from pipeline.codec.tokenizer import SpeechTokenizer
 from pipeline.loading import load_model
-from pipeline.memory_plan import GIB, MemoryPlan, NotEnoughMemory
+from pipeline.memory_plan import GIB, VOCODER_BATCH_BYTES, VOCODER_BATCH_ROWS, MemoryPlan, NotEnoughMemory, most_rows, tts_row_cap
 from pipeline.model import Qwen3TTS, TTSConfig
 from pipeline.released import RELEASED_CONFIG, real_size_config
 from pipeline.service import ModelService
@@ -115,6 +115,30 @@ def test_rows_that_do_not_fit_are_one_sentence_with_what_is_needed_and_free():
                                  "this GPU has 11.2 GiB free after the weights; at most 32 rows fit.")
     assert raised.value.field == "rows"
     assert PLAN.choose_rows(32, int(14.6 * GIB)) == 32
+
+
+BATCHED = MemoryPlan("Qwen3-TTS-12Hz-0.6B-CustomVoice", "bfloat16", weights=int(2.5 * GIB), per_row=int(0.25 * GIB), reserve=GIB,
+                     max_rows=64, batch_reserve=VOCODER_BATCH_BYTES)
+
+
+def test_engines_of_many_rows_also_need_their_batched_vocoders_memory():
+    below = VOCODER_BATCH_ROWS - 1
+    assert BATCHED.needed(below) == BATCHED.weights + BATCHED.reserve + below * BATCHED.per_row
+    assert BATCHED.needed(VOCODER_BATCH_ROWS) == BATCHED.weights + BATCHED.reserve + VOCODER_BATCH_ROWS * BATCHED.per_row + VOCODER_BATCH_BYTES
+    # Room for 48 rows but not for their batched vocoder: 47, which need none.
+    assert BATCHED.rows_that_fit(BATCHED.needed(below) + 2 * BATCHED.per_row) == below
+    assert BATCHED.rows_that_fit(BATCHED.needed(VOCODER_BATCH_ROWS)) == VOCODER_BATCH_ROWS
+    assert BATCHED.rows_that_fit(BATCHED.needed(60) + BATCHED.per_row - 1) == 60
+    with pytest.raises(NotEnoughMemory, match=r"at most 47 rows fit\.$"):
+        BATCHED.choose_rows(VOCODER_BATCH_ROWS, BATCHED.needed(VOCODER_BATCH_ROWS) - 1)
+
+
+def test_the_shared_row_cap_keeps_the_batched_vocoder_where_it_gives_48_rows_or_more():
+    assert most_rows(10_000, 100, 500) == 95  # 100 rows without the reserve, 95 with it: batched
+    assert most_rows(4_900, 100, 500) == 47  # 49 rows without it, 44 with it: 47, without batched calls
+    assert most_rows(5_300, 100, 500) == 48
+    assert most_rows(4_700, 100, 500) == 47
+    assert [tts_row_cap(int(g * GIB), torch.bfloat16, DEFAULT_MAX_SEQ) for g in (24, 40, 48, 53, 53.5, 64.3, 80)] == [13, 37, 47, 47, 48, 64, 64]
 
 
 def test_weights_that_do_not_fit_are_one_sentence_with_what_is_needed_and_free():
