@@ -1,8 +1,11 @@
+import atexit
 import importlib.util
 import os
+import shutil
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -19,6 +22,14 @@ import torch
 # 6.6 CPU-s with two threads against 0.8 with one, and the official code's 48 frames 10 s against 3.
 # A value set outside is kept.
 torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
+
+if "GRADIO_TEMP_DIR" not in os.environ:
+    # Gradio's file cache (uploads, outputs) in a folder of this process's own, which the apps it starts
+    # inherit: an app that closes deletes the cached files it created, and with a shared cache a test
+    # process beside this one (pytest -n 2) that caches the same content (the same reference recording,
+    # the same seeded audio) would lose them mid-test. A value set outside is kept.
+    os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix="gradio-tests-")
+    atexit.register(shutil.rmtree, os.environ["GRADIO_TEMP_DIR"], True)
 
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
     # The fused decode kernels (pipeline/kernels) run in Triton's interpreter on a machine without a GPU.

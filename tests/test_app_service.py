@@ -420,11 +420,15 @@ def test_a_stop_that_cancels_its_run_reports_what_the_player_had():
     assert panel.stopped_update(None) == {panel.summary: gr.skip(), panel.audio: gr.skip()}  # Stop after the end: the finished run stays
 
 
-def test_a_service_leaves_no_scratch_directories_behind():
+def test_a_service_leaves_no_scratch_directories_behind(tmp_path, monkeypatch):
     """The tiny checkpoints a service writes and its folder of voice files for download go with it
     (and at the latest with the process): `app.py --tiny` started a hundred times leaves nothing."""
     import gc
     import tempfile
+
+    # A temporary folder of this test's own: the services and apps of other test processes (pytest -n)
+    # make and remove their own qwen3-tts-* folders in the shared one meanwhile.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     def scratch() -> set[Path]:
         return set(Path(tempfile.gettempdir()).glob("qwen3-tts-*"))
