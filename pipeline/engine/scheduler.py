@@ -30,7 +30,7 @@ EARLY_CHUNKS = 4  # a stream's first chunks (1, 2, 4 and 8 frames by default): l
 # Steady chunks of BATCH_FRAMES frames share batched vocoder calls (see `Scheduler._cut`): one waits
 # for others at most BATCH_WAIT_FRAMES frames, and not once its listener has less than BATCH_LEAD_S of
 # audio left without it. Steady chunks come ~1 s or more ahead of playback, so the wait is inaudible.
-BATCH_FRAMES = 16
+BATCH_FRAMES = 16  # the vocoder's batched call (MultiStreamDecoder.BATCH_FRAMES)
 BATCH_WAIT_FRAMES = 4
 BATCH_LEAD_S = 0.5
 
