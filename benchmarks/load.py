@@ -609,9 +609,6 @@ def sizes_to_run(args: argparse.Namespace) -> list[str] | None:
     if not args.tiny and not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU (or --tiny to try it on the CPU)", file=sys.stderr)
         return None
-    if args.profile and not torch.cuda.is_available():
-        print("error: --profile measures GPU kernels and needs a CUDA GPU", file=sys.stderr)
-        return None
     return ["tiny"] if args.tiny else args.sizes
 
 
@@ -623,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = sizes_to_run(args)
     if sizes is None:
+        return 2
+    if args.profile and not torch.cuda.is_available():
+        print("error: --profile measures GPU kernels and needs a CUDA GPU", file=sys.stderr)
         return 2
     report = {**report_header("benchmarks.load", argv, on_gpu=not args.tiny), "duration_s": args.duration, "seed": args.seed, "rates": args.rates,
               "paths": args.paths, "precision": precision(args.tiny),
