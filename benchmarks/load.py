@@ -133,14 +133,20 @@ def stalls(times: list[float], seconds: list[float]) -> list[float]:
     """Where playback runs dry: pieces of audio of `seconds` arriving at `times` (s), played from the first
     arrival on; each piece that arrives after the audio before it has played is a stall (its length, s), and
     playback resumes with it."""
+    return [length for _, length in stall_points(times, seconds)]
+
+
+def stall_points(times: list[float], seconds: list[float]) -> list[tuple[float, float]]:
+    """`stalls` with where each happened: (seconds of audio received before the late piece, stall length)."""
     if not times:
         return []
-    found, played_until = [], times[0] + seconds[0]
+    found, played_until, received = [], times[0] + seconds[0], seconds[0]
     for at, length in zip(times[1:], seconds[1:], strict=True):
         if at > played_until:
-            found.append(at - played_until)
+            found.append((received, at - played_until))
             played_until = at
         played_until += length
+        received += length
     return found
 
 
@@ -173,7 +179,8 @@ class Stream:
 
     def record(self) -> dict:
         return {"at_s": round(self.arrival.at, 4), "frames": self.arrival.frames, "complete": self.complete, "error": self.error,
-                "ttfa_ms": self.times[0] * 1000.0 if self.times else None, "stalls_ms": [s * 1000.0 for s in stalls(self.times, self.seconds)]}
+                "ttfa_ms": self.times[0] * 1000.0 if self.times else None, "stalls_ms": [s * 1000.0 for s in stalls(self.times, self.seconds)],
+                "stalls_after_audio_s": [round(at, 3) for at, _ in stall_points(self.times, self.seconds)]}
 
 
 # ---- the two clients -----------------------------------------------------------------------------

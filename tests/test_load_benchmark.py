@@ -30,6 +30,9 @@ def test_playback_resumes_with_the_late_piece_and_each_stall_counts_once():
     seconds = [0.1, 0.1, 0.1, 0.1]
     # Plays to 0.1; stall of 0.1 until 0.2, then to 0.3; stall of 0.2 until 0.5, then to 0.6; the last piece is in time.
     assert load.stalls(times, seconds) == pytest.approx([0.1, 0.2])
+    points = load.stall_points(times, seconds)
+    assert [at for at, _ in points] == pytest.approx([0.1, 0.2])  # after 0.1 s and 0.2 s of audio received
+    assert [length for _, length in points] == pytest.approx([0.1, 0.2])
 
 
 def test_a_piece_arriving_exactly_as_the_audio_runs_out_is_not_a_stall():
