@@ -178,9 +178,10 @@ class Stream:
         return self.error is None and self.samples == self.arrival.samples
 
     def record(self) -> dict:
+        points = stall_points(self.times, self.seconds)
         return {"at_s": round(self.arrival.at, 4), "frames": self.arrival.frames, "complete": self.complete, "error": self.error,
-                "ttfa_ms": self.times[0] * 1000.0 if self.times else None, "stalls_ms": [s * 1000.0 for s in stalls(self.times, self.seconds)],
-                "stalls_after_audio_s": [round(at, 3) for at, _ in stall_points(self.times, self.seconds)]}
+                "ttfa_ms": self.times[0] * 1000.0 if self.times else None, "stalls_ms": [length * 1000.0 for _, length in points],
+                "stalls_after_audio_s": [round(at, 3) for at, _ in points]}
 
 
 # ---- the two clients -----------------------------------------------------------------------------
