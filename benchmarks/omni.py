@@ -10,7 +10,7 @@ Measures, after Send: time to the first text token and to the first audio, for a
 message and a 5 s audio message; talker + code predictor ms per frame (GPU time of the engine's
 decode step); thinker ms per token; the gaps between audio chunks against the audio already
 buffered (a stall is playback running dry); then `--together` conversations at once (released
-together, sharing the thinker a token at a time), each reported: first text token, first audio,
+together, each a row of the thinker's batched step), each reported: first text token, first audio,
 thinker ms per token, stalls; with the p95 of first audio over them. Writes JSON and markdown (GPU,
 torch, transformers, date and command next to the numbers).
 """
@@ -72,8 +72,8 @@ def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, comp
     randomize_code2wav_(code2wav, g)
     # A random talker would end its speech at a random frame: keep EOS out of reach.
     talker.codec_head.weight[ids["talker_config"]["codec_eos_token_id"]].zero_()
-    thinker = Thinker(thinker_model.eval(), ids["talker_config"]["accept_hidden_layer"], slots=rows, max_len=THINKER_MAX_SEQ)
-    weights = gib(torch.cuda.memory_allocated())  # the thinker's slot caches are small beside them; the vision encoder is dropped
+    thinker = Thinker(thinker_model.eval(), ids["talker_config"]["accept_hidden_layer"], rows=rows, max_len=THINKER_MAX_SEQ)
+    weights = gib(torch.cuda.memory_allocated())  # the thinker's row caches are small beside them; the vision encoder is dropped
     tokenizer = AutoTokenizer.from_pretrained(str(workdir))
     features = WhisperFeatureExtractor(**{k: v for k, v in OMNI_FEATURE_EXTRACTOR.items() if k != "feature_extractor_type"})
     chat = OmniChat(thinker, tokenizer, features, talker.eval(), code2wav.eval(), PromptIds.from_config(ids), {}, "random Qwen3-Omni-30B-A3B",
@@ -183,7 +183,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {i} | {r['first_text_ms']:.0f} | {r['first_audio_ms']:.0f} | {r['thinker_ms_per_token']:.1f} | {r['stalls']} |")
     lines.append("")
     m = report["memory"]
-    lines += [f"GPU memory (GiB, card {m['card_gib']}): weights and thinker slot caches {m['weights_and_thinker_caches_gib']}, "
+    lines += [f"GPU memory (GiB, card {m['card_gib']}): weights and thinker row caches {m['weights_and_thinker_caches_gib']}, "
               f"engine caches and graphs {m['engine_and_graphs_gib']}, ready {m['ready_gib']} allocated / {m['ready_reserved_gib']} reserved; "
               f"peak {m['peak_allocated_gib']} allocated / {m['peak_reserved_gib']} reserved.", "", ""]
     return "\n".join(lines)
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.omni")
-    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS["cuda"], help="talker rows and thinker slots (conversations at once; the app's default)")
+    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS["cuda"], help="talker rows and thinker rows (conversations at once; the app's default)")
     parser.add_argument("--tokens", type=int, default=40, help="reply tokens")
     parser.add_argument("--frames", type=int, default=60, help="speech frames per reply (60 = 4.8 s)")
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,8 +1,9 @@
 """Omni chat, the entry point: a Qwen3-Omni checkpoint answers a conversation in streamed text and
 streamed speech.
 
-The thinker (transformers' module) writes the reply one token at a time on the caller's side; each
-token goes to the chat at once and to the talker, which runs on the engine (one row of the batched
+The thinker (transformers' module) writes every conversation's reply one token a step, all
+conversations in one batched step on its scheduler thread; each token goes to the chat at once and
+to the talker, which runs on the engine (one row of the batched
 CUDA-graph decode step per conversation, code2wav as its per-listener vocoder). The talker's
 prompt is made from the thinker's prefill and the first token; after it, one token per frame, as
 the thinker writes them: when the thinker is behind, the talker's row waits (the engine's streamed
@@ -38,7 +39,7 @@ from pipeline.omni.code2wav import Code2Wav, Code2WavConfig
 from pipeline.omni.conversation import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, ThinkerInputs, Turn, build_inputs, check_turns
 from pipeline.omni.prompt import PromptIds, assistant_first, assistant_prefix, text_specials, user_part
 from pipeline.omni.talker import OmniTalker, OmniTalkerConfig, TalkerTextConfig
-from pipeline.omni.thinker import Prefilled, Thinker, ThinkerSampling
+from pipeline.omni.thinker import Thinker, ThinkerSampling
 from pipeline.request import MAX_SCALE, MAX_SEED, MAX_TOP_K, check_integer, check_number, check_unicode
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 HUB_ID = OMNI.hub_checkpoints[0]
 REQUIRED_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json", "preprocessor_config.json")
 MAX_PROMPT = 2030  # thinker positions of the conversation (so the talker's prompt fits its largest prefill); older turns are dropped beyond
-THINKER_MAX_SEQ = MAX_PROMPT + MAX_REPLY_TOKENS  # thinker positions per conversation (its cache slot)
+THINKER_MAX_SEQ = MAX_PROMPT + MAX_REPLY_TOKENS  # thinker positions per conversation (its cache row)
 DEFAULT_ROWS = {"cuda": 8, "cpu": 2}  # conversations speaking at once; on CUDA fewer where the free memory holds fewer (pipeline.memory_plan)
 TALKER_MAX_SEQ = 4096  # talker positions per conversation: the user turns + 9 + frames
 CLOSE_TIMEOUT_S = 10.0
@@ -182,9 +183,9 @@ class OmniChat:
         ids = PromptIds.from_config(config)
         talker_raw = config.get("talker_config") or {}
         options["rows"] = planned_rows(directory, config, source, torch_dev, torch_dt, free_memory, options)
-        slots = options.get("rows") or DEFAULT_ROWS.get(torch_dev.type, 2)
+        rows = options.get("rows") or DEFAULT_ROWS.get(torch_dev.type, 2)
         thinker = Thinker.from_pretrained(directory, torch_dev, torch_dt, int(talker_raw.get("accept_hidden_layer", 24)),
-                                          slots=slots, max_len=THINKER_MAX_SEQ)
+                                          rows=rows, max_len=THINKER_MAX_SEQ)
         talker = load_talker(directory, talker_raw, torch_dev, torch_dt)
         # code2wav in float32 whatever the rest runs in, as the Qwen3-TTS codec (streamed == offline).
         code2wav = Code2Wav.from_pretrained(directory, torch_dev)
@@ -329,23 +330,20 @@ class _Turn:
         return (time.perf_counter() - self.started) * 1000.0
 
     def _think(self) -> None:
-        prepared, thinker = self.prepared, self.chat.thinker
-        slot = thinker.acquire(self.stop)
-        if slot is None:
-            return
-        try:
-            # The talker's prompt but its last position is known once the thinker's layer accept_hidden_layer
-            # is done: its prefill runs on the engine while the thinker's upper layers still run.
-            on_accept_layer = self._start_speech if prepared.speak else None
-            self._reply(thinker.prefill(slot, prepared.inputs, prepared.thinker_sampling, prepared.seed, on_accept_layer))
-        finally:
-            thinker.release(slot)
+        prepared = self.prepared
+        # The talker's prompt but its last position is known once the thinker's layer accept_hidden_layer
+        # is done: its prefill runs on the engine while the thinker's upper layers still run.
+        on_accept_layer = self._start_speech if prepared.speak else None
+        reply = self.chat.thinker.start(prepared.inputs, prepared.thinker_sampling, prepared.seed, prepared.max_new_tokens, self.chat.im_end,
+                                        self.stop, on_accept_layer)
+        self._reply(iter(reply))
 
-    def _reply(self, prefilled: Prefilled) -> None:
+    def _reply(self, tokens: Iterator[int]) -> None:
         chat, prepared = self.chat, self.prepared
         thinker, talker = chat.thinker, chat.talker
-        state = prefilled.state
-        token = thinker.pick(state, prefilled.logits)
+        token = next(tokens, None)
+        if token is None:  # stopped while waiting for a row
+            return
         self.first_text_ms = self._elapsed()
         self._add_token(token)
         if token == chat.im_end or self.stop.is_set():
@@ -358,12 +356,8 @@ class _Turn:
                 first = thinker.embed(torch.tensor([token])).to(talker.codec_head.weight.dtype)
                 self.handle.finish_prompt(assistant_first(talker, first, chat.ids)[None])
         thinker_start, steps = time.perf_counter(), 0
-        for _ in range(prepared.max_new_tokens - 1):
-            if self.stop.is_set():
-                break
-            logits = thinker.step(state, token)
+        for token in tokens:
             steps += 1
-            token = thinker.pick(state, logits)
             self._add_token(token)
             if token == chat.im_end:
                 break
@@ -464,7 +458,7 @@ def _check_transformers_types(path: Path, config: dict[str, Any]) -> None:
 
 def planned_rows(directory: Path, config: dict[str, Any], source: str, device: torch.device, dtype: torch.dtype, free: int | None,
                  options: dict) -> int | None:
-    """Talker rows and thinker slots: on CUDA, or wherever `free` bytes are given, checked against the
+    """Talker rows and thinker rows (one each per conversation): on CUDA, or wherever `free` bytes are given, checked against the
     free memory (see `OmniChat.from_pretrained`); elsewhere those asked for (None: the device's default)."""
     if free is None and device.type != "cuda":
         return options.get("rows")

@@ -1,0 +1,62 @@
+"""One query position of attention per row over that row's first `lengths[b]` keys (a decode step
+over rows of different lengths), deterministic and row-invariant: `decode_attention`.
+
+A program per (row, query head) walks the row's keys in fixed blocks with a float32 online softmax,
+so its result depends on its own query, keys and length only, and is the same on every run.
+PyTorch's fused attention kernels for a single query over a long, masked key range gave results
+that changed from run to run on an H200 beyond 64 keys, and a conversation's reply drifted with
+them; keys past a row's length are not read at all.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_KEYS = 64
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, scaling, HEADS, KV_HEADS, MAX_KEYS, DIM,
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // (HEADS // KV_HEADS)
+    dims = tl.arange(0, BLOCK_D)
+    in_d = dims < DIM
+    q = tl.load(q_ptr + (row * HEADS + head) * DIM + dims, mask=in_d, other=0.0).to(tl.float32)
+    length = tl.load(lengths_ptr + row)
+    base = (row * KV_HEADS + kv_head).to(tl.int64) * MAX_KEYS * DIM
+    best = tl.zeros([], dtype=tl.float32) - float("inf")
+    total = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, length, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        valid = keys < length
+        offsets = base + keys[:, None].to(tl.int64) * DIM + dims[None, :]
+        both = valid[:, None] & in_d[None, :]
+        k = tl.load(k_ptr + offsets, mask=both, other=0.0).to(tl.float32)
+        scores = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scaling, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=0))
+        rescale = tl.exp(best - new_best)
+        weights = tl.exp(scores - new_best)
+        v = tl.load(v_ptr + offsets, mask=both, other=0.0).to(tl.float32)
+        total = total * rescale + tl.sum(weights, axis=0)
+        acc = acc * rescale + tl.sum(weights[:, None] * v, axis=0)
+        best = new_best
+    tl.store(out_ptr + (row * HEADS + head) * DIM + dims, (acc / total).to(out_ptr.dtype.element_ty), mask=in_d)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, scaling: float) -> torch.Tensor:
+    """query [B, H, 1, D], key and value [B, Hkv, L, D] (H a multiple of Hkv: grouped-query heads),
+    lengths [B] (each row attends to keys 0..lengths[b]-1, at least one) -> [B, 1, H, D] in query's dtype."""
+    rows, heads, positions, dim = query.shape
+    kv_heads, max_keys = key.shape[1], key.shape[2]
+    if positions != 1 or heads % kv_heads or value.shape != key.shape:
+        raise ValueError(f"decode_attention takes one query position per row and grouped heads; got query {tuple(query.shape)}, "
+                         f"key {tuple(key.shape)}, value {tuple(value.shape)}.")
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    out = torch.empty(rows, 1, heads, dim, dtype=query.dtype, device=query.device)
+    _decode_attention_kernel[(rows, heads)](query, key, value, lengths.contiguous(), out, float(scaling), heads, kv_heads, max_keys, dim,
+                                            BLOCK_N=BLOCK_KEYS, BLOCK_D=triton.next_power_of_2(dim))
+    return out
