@@ -1,18 +1,24 @@
 """The engine's policy, driven frame by frame by hand: no model, no threads, no clock (time is passed
 in). FIFO admission and queue positions, a cancel freeing its row for the next frame, chunk cuts,
 vocoder lanes and batched vocoder calls, the ends of segments and requests with their warnings, rows waiting for text,
-admission that keeps playing streams ahead, and the runaway guard (frame budget, loops)."""
+admission that keeps playing streams ahead and leaves frames fast enough for a new stream's first chunks, and the
+runaway guard (frame budget, loops)."""
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
+from pipeline.contract.events import FRAMES_PER_SECOND
 from pipeline.engine.core import Job, Segment
 from pipeline.engine.scheduler import (
     BATCH_FRAMES,
     BATCH_LEAD_S,
     BATCH_WAIT_FRAMES,
     EARLY_CHUNKS,
+    FIRST_CHUNKS_MARGIN_S,
     LOOP_FRAMES,
+    SHOWN_ROWS,
     Admission,
     Emit,
     Finish,
@@ -22,8 +28,10 @@ from pipeline.engine.scheduler import (
     StartSegment,
     StepOutput,
     VocodeBatch,
+    chunk_sizes,
     frame_budget,
     keeps_ahead,
+    longest_frame_period,
     vocoder_lane,
 )
 from pipeline.errors import EngineBusy
@@ -320,6 +328,115 @@ def test_a_stream_without_its_first_chunk_does_not_hold_the_queue():
     run(sched, 5, start=0.0)
     sched.add(request("b"))
     assert len(sched.schedule(0.05).admitted) == 1
+
+
+# ---- a new stream's first chunks ----------------------------------------------------------------
+
+DEFAULT = (1, 2, 4, 8, 16)  # the engine's default schedule: the tightest first chunks
+UNCUT = (500,)  # a running row without a first chunk in these tests: `keeps_ahead` has nothing to protect
+
+
+def least_audio_left(schedule, period: float, chunks: int = 40) -> float:
+    """The least audio a listener holds when a chunk of its stream lands (frames `period` apart,
+    playback from the first chunk): the listener's side, counted chunk by chunk."""
+    sizes = list(itertools.islice(chunk_sizes(schedule), chunks))
+    cuts = list(itertools.accumulate(sizes))  # the frame that completes each chunk
+    given = [frames / FRAMES_PER_SECOND for frames in cuts]
+    return min(given[j - 1] - (cuts[j] - cuts[0]) * period for j in range(1, chunks))
+
+
+def test_the_longest_frame_period_for_a_new_streams_first_chunks():
+    margin = FIRST_CHUNKS_MARGIN_S
+    assert longest_frame_period(DEFAULT) == pytest.approx((0.08 - margin) / 2) == pytest.approx(0.03)  # the second chunk, two frames after the first
+    assert longest_frame_period(DEFAULT, 0.05) == pytest.approx(0.015)
+    assert longest_frame_period((1,)) == pytest.approx(0.08 - margin)
+    assert longest_frame_period((16,)) == pytest.approx((1.28 - margin) / 16)  # 78.75 ms: a second's audio buffered at once
+    assert longest_frame_period((2, 3)) == pytest.approx((0.16 - margin) / 3)
+    assert longest_frame_period((16, 1)) == pytest.approx(0.08)  # steady one-frame chunks: real time binds
+    assert longest_frame_period((1,), 0.1) < 0  # no period lands the second chunk with 100 ms left
+    with pytest.raises(ValueError, match="positive frame counts"):
+        longest_frame_period(())
+
+
+@pytest.mark.parametrize("schedule", [DEFAULT, (1,), (16,), (2, 3), (3, 7, 5), (1, 2, 4, 8, 16, 12, 16)])
+def test_at_the_longest_frame_period_every_chunk_lands_with_the_margin_left(schedule):
+    longest = longest_frame_period(schedule)
+    assert least_audio_left(schedule, longest) == pytest.approx(FIRST_CHUNKS_MARGIN_S)
+    assert least_audio_left(schedule, longest * 1.01) < FIRST_CHUNKS_MARGIN_S
+
+
+def loaded(rows: int, running: int, shown: float, period: float, frames: int = 12) -> tuple[Scheduler, float]:
+    """A scheduler with `running` rows busy (no first chunk yet), whose frames took `shown` seconds,
+    then `period`; returns it and the time of its next frame."""
+    sched = scheduler(rows=rows)
+    for n in range(running):
+        sched.add(request(f"running{n}", schedule=UNCUT))
+    run(sched, 4, period=shown)
+    run(sched, frames, start=4 * shown, period=period)
+    return sched, 4 * shown + frames * period
+
+
+def test_a_new_stream_waits_while_the_frames_are_too_slow_for_its_first_chunks_then_joins():
+    sched, now = loaded(rows=3, running=1, shown=0.01, period=0.05)  # a machine that has run 10 ms frames, now at 50 ms
+    assert sched.fastest_s == pytest.approx(0.01) and sched.step_s > longest_frame_period(DEFAULT)
+    b = request("b", schedule=DEFAULT)
+    assert sched.add(b) is None  # a free row
+    held = sched.schedule(now)
+    assert held.admitted == [] and held.positions == [(b.handle, 0)]  # its place is announced as any wait's
+    periods = []
+    for i in range(40):  # frames of 10 ms again; the running stream goes on
+        schedule = sched.schedule(now + i * 0.01)
+        if schedule.admitted:
+            break
+        periods.append(sched.step_s)
+        step(sched, schedule, {0: 100 + i}, now + i * 0.01)
+    assert [x.request for x in schedule.admitted] == [b] and sched.rows[0].request.handle.name == "running0"
+    # It joins once two rows' frames fit its bound, not before.
+    assert sched.step_s * 2 <= longest_frame_period(DEFAULT) < periods[-1] * 2
+
+
+def test_a_waiting_stream_joins_once_nothing_runs_however_slow_the_frames_were():
+    sched, now = loaded(rows=3, running=1, shown=0.01, period=0.05)
+    b = request("b", schedule=DEFAULT)
+    sched.add(b)
+    assert sched.schedule(now).admitted == []
+    actions = step(sched, sched.schedule(now), {0: 1}, now, eos=[0])
+    assert of(actions, Finish, "running0") and sched.step_s > longest_frame_period(DEFAULT)
+    assert [x.request for x in sched.schedule(now + 0.05).admitted] == [b]
+
+
+def test_a_machine_that_never_ran_fast_enough_is_never_held():
+    """A CPU with a tiny model: its frames take longer than a new stream's first chunks allow even
+    with one row, so the queue joins as `keeps_ahead` alone allows."""
+    sched = scheduler(rows=4)
+    sched.add(request("a", schedule=UNCUT))
+    assert len(sched.schedule(0.0).admitted) == 1  # alone: admitted as soon as it comes
+    run(sched, 12, period=0.06)
+    assert sched.fastest_s * SHOWN_ROWS > longest_frame_period(DEFAULT)
+    for name in "bc":
+        sched.add(request(name, schedule=DEFAULT))
+    assert [x.request.handle.name for x in sched.schedule(0.72).admitted] == ["b", "c"]
+
+
+def test_the_bound_is_the_waiting_requests_own_schedules_and_the_queue_stays_in_order():
+    sched, now = loaded(rows=5, running=2, shown=0.01, period=0.035, frames=20)  # 35 ms frames
+    tight, loose = request("tight", schedule=DEFAULT), request("loose", schedule=(16,))
+    sched.add(tight)
+    sched.add(loose)
+    assert sched.schedule(now).admitted == []  # 30 ms for the first, the second does not overtake it
+    sched, now = loaded(rows=5, running=2, shown=0.01, period=0.035, frames=20)
+    sched.add(loose)
+    sched.add(tight)
+    schedule = sched.schedule(now)
+    assert [x.request for x in schedule.admitted] == [loose]  # 35 ms x 3 / 2 rows is under its 78.75 ms
+    assert schedule.positions == [(tight.handle, 0)]
+    # 30 ms frames at best: too slow for the default schedule's bound with two rows, so it holds
+    # nothing; 16-frame chunks hold it, and one row more fits their bound, two more do not.
+    for schedule, joining in [(DEFAULT, ["x", "y", "z"]), ((16,), ["x"])]:
+        sched, now = loaded(rows=4, running=1, shown=0.03, period=0.03)
+        for name in "xyz":
+            sched.add(request(name, schedule=schedule))
+        assert [x.request.handle.name for x in sched.schedule(now).admitted] == joining
 
 
 # ---- batched vocoder calls ---------------------------------------------------------------------

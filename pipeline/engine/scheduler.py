@@ -12,6 +12,7 @@ passes the time in, carries tensors through it untouched and does what it return
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.contract.events import FRAMES_PER_SECOND
+from pipeline.contract.events import FRAME_SECONDS, FRAMES_PER_SECOND
 from pipeline.errors import EngineBusy
 
 if TYPE_CHECKING:
@@ -37,6 +38,17 @@ BATCH_LEAD_S = 0.5
 # Admission that protects running streams (see `keeps_ahead`).
 LEAD_MARGIN_S = 0.05  # audio a playing stream keeps buffered at least: the vocoding and delivery of a chunk, with room
 SMOOTHING = 0.25  # weight of the newest measurement in the recent step and prefill times
+
+# Admission that protects a new stream's own first chunks (see `longest_frame_period`). A chunk's
+# vocoding and delivery delay the start of playback (the first chunk's) as much as each later chunk's
+# arrival, so they cancel: the margin holds what differs from chunk to chunk. On an H100: a later,
+# longer chunk's call (2-8 frames: 2.7-3.6 ms against 2.5 ms for one frame), a wait behind other
+# streams' first chunks in the same lane (~3 ms a call), frames longer than the smoothed period (a
+# frame with prefills, ~2 ms each), delivery jitter. 20 ms gives 30 ms for the default schedule, the
+# frame period above which new streams stutter on an H100 at 20 requests/s. LEAD_MARGIN_S (50 ms)
+# would give 15 ms, a period a loaded H100 runs far above (its 64-row decode step alone is ~9 ms).
+FIRST_CHUNKS_MARGIN_S = 0.02
+SHOWN_ROWS = 2  # the queue waits for the bound only where the machine's fastest period fits this many rows in it
 
 # The runaway guard (see `frame_budget`).
 EXPECTED_FRAMES_PER_TOKEN = 4
@@ -62,6 +74,23 @@ def vocoder_lane(row: int, chunk_index: int, lanes: int) -> int:
         return 0
     early = (lanes + 1) // 2
     return row % early if chunk_index < EARLY_CHUNKS else early + row % (lanes - early)
+
+
+def longest_frame_period(schedule: Sequence[int], margin_s: float = FIRST_CHUNKS_MARGIN_S) -> float:
+    """The longest frame period under which a new stream of this chunk schedule never runs dry: each
+    of its chunks lands while its listener has at least `margin_s` of audio left (<= 0: none does).
+
+    Playback starts with the first chunk (F_1 frames, F_j the frames of chunks 1 to j). Chunk j+1 is
+    cut (F_{j+1} - F_1) frame periods P later, while the listener holds F_j frames of audio:
+    F_j * 80 ms - (F_{j+1} - F_1) * P >= margin, for each j. A stream's first chunks are short, so
+    these bounds are tight there; once the chunks are steady (the schedule's last size repeated) each
+    further chunk's bound moves towards one frame's audio, 80 ms, the period of real time. Hence the
+    minimum over the schedule's sizes and the first repeat of its last, and at most 80 ms. The
+    default (1, 2, 4, 8, 16) with a 20 ms margin: (80 - 20) / 2 = 30 ms after the first chunk, then
+    (240 - 20) / 6, (560 - 20) / 14, (1200 - 20) / 30, (2480 - 20) / 46 = 36.7, 38.6, 39.3, 53.5 ms."""
+    made = list(itertools.accumulate(itertools.islice(chunk_sizes(schedule), len(schedule) + 1)))
+    bounds = ((given * FRAME_SECONDS - margin_s) / (next_made - made[0]) for given, next_made in zip(made, made[1:]))
+    return min(FRAME_SECONDS, *bounds)
 
 
 def keeps_ahead(leads: Sequence[tuple[float, int]], running: int, admitted: int, step_s: float, prefill_s: float,
@@ -299,6 +328,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.epochs = itertools.count(1)
         self.step_s = 0.0  # the loop's recent frame period
+        self.fastest_s = math.inf  # the shortest recent frame period measured: what this machine has shown it can do
         self.prefill_s = 0.0  # a recent prefill
         self.last_frame_at: float | None = None
 
@@ -369,15 +399,39 @@ class Scheduler:
 
     def schedule(self, now: float) -> Schedule:
         """Admit waiting requests into free rows: every one that fits while nothing runs; else up to
-        `prefills_per_frame`, and only as many as keep the playing streams ahead (`keeps_ahead`)."""
+        `prefills_per_frame`, and only as many as keep the playing streams ahead (`keeps_ahead`) and
+        leave the frames fast enough for their own first chunks (`_first_chunks_in_time`)."""
         free = [row for row, state in enumerate(self.rows) if state is None]
         running = [state for state in self.rows if state is not None]
         count = min(len(free), len(self.waiting), self.prefills_per_frame if running else len(free))
         if running:
             leads = [(state.lead(now), state.frames_to_chunk()) for state in running if state.first_chunk_at is not None]
-            count = next((k for k in range(count, 0, -1) if keeps_ahead(leads, len(running), k, self.step_s, self.prefill_s, self.margin_s)), 0)
+            count = next((k for k in range(count, 0, -1) if keeps_ahead(leads, len(running), k, self.step_s, self.prefill_s, self.margin_s)
+                          and self._first_chunks_in_time(len(running), k)), 0)
         admitted = [self._admit(self.waiting.popleft(), row) for row in free[:count]]
         return Schedule(admitted, self.positions(), [state.epoch if state else None for state in self.rows])
+
+    def _first_chunks_in_time(self, running: int, admitted: int) -> bool:
+        """Whether the first `admitted` waiting requests, joining `running` rows, get their first chunks
+        in time: the frame period they bring stays within each one's `longest_frame_period`.
+
+        The period is `keeps_ahead`'s upper bound, the recent one times (running + admitted) / running,
+        with the admitted prefills spread over the frames the bound covers (a request's first chunk to
+        its first steady one). A request holds the queue only where this machine has shown a period
+        that fits SHOWN_ROWS rows in its bound: there the frames get fast enough once running streams
+        end, and a new stream fits beside another. Elsewhere (a CPU with a tiny model: 30-80 ms a
+        frame) holding would run the queue one stream at a time, a far longer wait than the stalls it
+        spares. When nothing runs `schedule` admits without asking, so no queue waits for ever."""
+        slower = self.step_s * (running + admitted) / running
+        for request in itertools.islice(self.waiting, admitted):
+            sizes = request.job.schedule
+            longest = longest_frame_period(sizes)
+            if self.fastest_s * SHOWN_ROWS > longest:
+                continue
+            early_frames = sum(sizes[1:]) + sizes[-1]
+            if slower + admitted * self.prefill_s / early_frames > longest:
+                return False
+        return True
 
     def update_from_output(self, schedule: Schedule, output: StepOutput) -> list[Action]:
         """Fold one step's frames into the rows it ran for; returns what to vocode, prefill and end, in order."""
@@ -407,6 +461,7 @@ class Scheduler:
     def _measure(self, output: StepOutput) -> None:
         if self.last_frame_at is not None:
             self.step_s = _recent(self.step_s, output.now - self.last_frame_at)
+            self.fastest_s = min(self.fastest_s, self.step_s)
         for ms in output.prefill_ms.values():
             self.prefill_s = _recent(self.prefill_s, ms / 1000.0)
 
