@@ -365,12 +365,12 @@ def test_at_the_longest_frame_period_every_chunk_lands_with_the_margin_left(sche
     assert least_audio_left(schedule, longest * 1.01) < FIRST_CHUNKS_MARGIN_S
 
 
-def loaded(rows: int, running: int, shown: float, period: float, frames: int = 12) -> tuple[Scheduler, float]:
-    """A scheduler with `running` rows busy (no first chunk yet), whose frames took `shown` seconds,
-    then `period`; returns it and the time of its next frame."""
+def loaded(rows: int, running: int, shown: float, period: float, frames: int = 12, schedule=UNCUT) -> tuple[Scheduler, float]:
+    """A scheduler with `running` rows busy (of `schedule`: by default no first chunk yet), whose frames
+    took `shown` seconds, then `period`; returns it and the time of its next frame."""
     sched = scheduler(rows=rows)
     for n in range(running):
-        sched.add(request(f"running{n}", schedule=UNCUT))
+        sched.add(request(f"running{n}", schedule=schedule))
     run(sched, 4, period=shown)
     run(sched, frames, start=4 * shown, period=period)
     return sched, 4 * shown + frames * period
@@ -431,12 +431,36 @@ def test_the_bound_is_the_waiting_requests_own_schedules_and_the_queue_stays_in_
     assert [x.request for x in schedule.admitted] == [loose]  # 35 ms x 3 / 2 rows is under its 78.75 ms
     assert schedule.positions == [(tight.handle, 0)]
     # 30 ms frames at best: too slow for the default schedule's bound with two rows, so it holds
-    # nothing; 16-frame chunks hold it, and one row more fits their bound, two more do not.
+    # nothing; 16-frame chunks hold it, and one row more fits their bound, two more do not. (The
+    # running row is past its first chunks: it holds nothing either.)
     for schedule, joining in [(DEFAULT, ["x", "y", "z"]), ((16,), ["x"])]:
-        sched, now = loaded(rows=4, running=1, shown=0.03, period=0.03)
+        sched, now = loaded(rows=4, running=1, shown=0.03, period=0.03, schedule=(1,))
+        assert sched.rows[0].chunk_index > 1
         for name in "xyz":
             sched.add(request(name, schedule=schedule))
         assert [x.request.handle.name for x in sched.schedule(now).admitted] == joining
+
+
+def test_a_running_stream_in_its_first_chunks_holds_the_queue_as_a_new_one_would():
+    """Its second chunk is due 80 ms after its first: admissions that would slow the frames past its
+    bound wait until it reaches its steady chunks, however little audio `keeps_ahead` sees it hold."""
+    sched = scheduler(rows=4)
+    sched.add(request("a", schedule=DEFAULT))
+    assert len(sched.schedule(0.0).admitted) == 1
+    run(sched, 3, period=0.01)  # shown 10 ms frames; its first chunk is out
+    run(sched, 6, start=0.03, period=0.025)  # now 25 ms frames: a second row would make them ~50
+    first = sched.rows[0]
+    assert 1 <= first.chunk_index <= len(DEFAULT) and sched.step_s * 2 > longest_frame_period(DEFAULT)
+    sched.add(request("b", schedule=(16,)))  # whose own bound, 78.75 ms, two rows fit
+    now = 0.18
+    for _ in range(60):
+        schedule = sched.schedule(now)
+        if schedule.admitted:
+            break
+        step(sched, schedule, {0: 7}, now)
+        now += 0.025
+    assert [x.request.handle.name for x in schedule.admitted] == ["b"]
+    assert first.chunk_index > len(DEFAULT)  # not before "a" reached its steady chunks
 
 
 # ---- batched vocoder calls ---------------------------------------------------------------------

@@ -407,23 +407,27 @@ class Scheduler:
         if running:
             leads = [(state.lead(now), state.frames_to_chunk()) for state in running if state.first_chunk_at is not None]
             count = next((k for k in range(count, 0, -1) if keeps_ahead(leads, len(running), k, self.step_s, self.prefill_s, self.margin_s)
-                          and self._first_chunks_in_time(len(running), k)), 0)
+                          and self._first_chunks_in_time(running, k)), 0)
         admitted = [self._admit(self.waiting.popleft(), row) for row in free[:count]]
         return Schedule(admitted, self.positions(), [state.epoch if state else None for state in self.rows])
 
-    def _first_chunks_in_time(self, running: int, admitted: int) -> bool:
-        """Whether the first `admitted` waiting requests, joining `running` rows, get their first chunks
-        in time: the frame period they bring stays within each one's `longest_frame_period`.
+    def _first_chunks_in_time(self, running: list[RowState], admitted: int) -> bool:
+        """Whether `admitted` more rows leave the frames fast enough for the first chunks of the streams
+        that have them ahead: the first `admitted` waiting requests, and the running rows not yet at
+        their steady chunks. The frame period they would bring must stay within each one's
+        `longest_frame_period` (a running stream's second chunk is due 80 ms after its first: it is the
+        one `keeps_ahead`, whose margin is a steady chunk's, cannot protect).
 
         The period is `keeps_ahead`'s upper bound, the recent one times (running + admitted) / running,
-        with the admitted prefills spread over the frames the bound covers (a request's first chunk to
-        its first steady one). A request holds the queue only where this machine has shown a period
+        with the admitted prefills spread over the frames the bound covers (a stream's first chunk to
+        its first steady one). A stream holds the queue only where this machine has shown a period
         that fits SHOWN_ROWS rows in its bound: there the frames get fast enough once running streams
         end, and a new stream fits beside another. Elsewhere (a CPU with a tiny model: 30-80 ms a
         frame) holding would run the queue one stream at a time, a far longer wait than the stalls it
         spares. When nothing runs `schedule` admits without asking, so no queue waits for ever."""
-        slower = self.step_s * (running + admitted) / running
-        for request in itertools.islice(self.waiting, admitted):
+        slower = self.step_s * (len(running) + admitted) / len(running)
+        starting = [state.request for state in running if state.chunk_index <= len(state.request.job.schedule)]
+        for request in [*starting, *itertools.islice(self.waiting, admitted)]:
             sizes = request.job.schedule
             longest = longest_frame_period(sizes)
             if self.fastest_s * SHOWN_ROWS > longest:
