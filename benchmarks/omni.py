@@ -125,6 +125,8 @@ def converse(chat: OmniChat, request: ChatRequest) -> dict:
         "gap_p95_ms": float(np.percentile(gaps, 95)),
         "worst_underrun_ms": float(max(underrun)) if underrun else 0.0,
         "stalls": int(sum(u > 0 for u in underrun)),
+        # Where each stall came: the audio received before the late chunk (one frame before the second chunk).
+        "stalls_after_audio_s": [round(float(buffered[i - 1]), 2) for i, u in enumerate(underrun, 1) if u > 0],
     }
 
 

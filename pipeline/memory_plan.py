@@ -5,7 +5,7 @@ A model takes its weights (as loaded: the talker in the chosen dtype, the codec 
 tensors derived from them), a fixed reserve (CUDA graph pools, workspaces, activations, the
 allocator's slack) and, per engine row, the row's caches and state: the talker's and the code
 predictor's KV caches, the decode step's per-row buffers and the vocoder's streaming state; Qwen3-Omni
-adds a thinker slot (its KV cache) per row. Weights and rows are counted from the checkpoint's
+adds a thinker row (its KV cache) per conversation. Weights and rows are counted from the checkpoint's
 config, byte for byte what the loaders and the engine allocate; the reserve is a measured constant.
 """
 from __future__ import annotations
@@ -370,7 +370,7 @@ def thinker_slot_bytes(text_config: dict[str, Any], max_len: int, dtype: torch.d
 
 def omni_row_bytes(config: dict[str, Any], dtype: torch.dtype, talker_max_seq: int, thinker_max_seq: int) -> int:
     """Bytes per conversation: a talker row (its decode step runs in PyTorch ops: sparse layers), a
-    thinker slot and a code2wav stream."""
+    thinker row and a code2wav stream."""
     from pipeline.omni.code2wav import Code2WavConfig
     from pipeline.omni.talker import OmniTalkerConfig
 
