@@ -3,9 +3,9 @@ over rows of different lengths), deterministic and row-invariant: `decode_attent
 
 A program per (row, query head) walks the row's keys in fixed blocks with a float32 online softmax,
 so its result depends on its own query, keys and length only, and is the same on every run.
-PyTorch's fused attention kernels for a single query over a long, masked key range gave results
-that changed from run to run on an H200 beyond 64 keys, and a conversation's reply drifted with
-them; keys past a row's length are not read at all.
+PyTorch's scaled_dot_product_attention (its default backend, bf16, the step's float mask) gave
+results that changed from run to run on an H200 once a row had more than 64 keys, and a
+conversation's reply drifted with them. Keys past a row's length are not read at all.
 """
 from __future__ import annotations
 

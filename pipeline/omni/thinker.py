@@ -17,10 +17,10 @@ shapes. The routed experts: a grouped GEMM picks its tiles by the tokens each ex
 step's experts run each row's own products (on CUDA `pipeline.kernels.experts`; on the CPU
 `batched_mm`, a product per (token, expert) pair), and the CUDA kernel skips the rows that hold no
 conversation, so one conversation does not pay for the idle rows' experts. Attention: PyTorch's
-fused kernels for one query over a long masked key range are not reproducible from run to run on
-CUDA, so the step attends through `pipeline.kernels.row_attention` (each row over its own keys
-only). Both are registered with transformers' experts and attention interfaces and chosen for the
-step alone. On CUDA the step is one graph: in eager PyTorch the 48-layer MoE step is
+SDPA over a long masked key range (one query a row) is not reproducible from run to run on CUDA,
+so the step attends through `pipeline.kernels.row_attention` (each row over its own keys only).
+Both are registered with transformers' experts and attention interfaces and chosen for the step
+alone. On CUDA the step is one graph: in eager PyTorch the 48-layer MoE step is
 thousands of small launches. The prompt goes through transformers' decoder layers (grouped GEMM
 experts on CUDA: a prompt is one conversation's alone) as two graphs per length bucket, split at the
 layer the talker reads, into a staging cache and then into the conversation's row.
