@@ -11,6 +11,7 @@ passes the time in, carries tensors through it untouched and does what it return
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import deque
@@ -91,6 +92,14 @@ def longest_frame_period(schedule: Sequence[int], margin_s: float = FIRST_CHUNKS
     made = list(itertools.accumulate(itertools.islice(chunk_sizes(schedule), len(schedule) + 1)))
     bounds = ((given * FRAME_SECONDS - margin_s) / (next_made - made[0]) for given, next_made in zip(made, made[1:]))
     return min(FRAME_SECONDS, *bounds)
+
+
+@functools.lru_cache(maxsize=64)
+def first_chunks_bound(schedule: tuple[int, ...]) -> tuple[float, int]:
+    """A schedule's `longest_frame_period` and the frames that bound covers (a stream's first chunk to its
+    first steady one), computed once per schedule: admission asks for them for every starting stream at
+    every frame while requests wait."""
+    return longest_frame_period(schedule), sum(schedule[1:]) + schedule[-1]
 
 
 def keeps_ahead(leads: Sequence[tuple[float, int]], running: int, admitted: int, step_s: float, prefill_s: float,
@@ -428,11 +437,9 @@ class Scheduler:
         slower = self.step_s * (len(running) + admitted) / len(running)
         starting = [state.request for state in running if state.chunk_index <= len(state.request.job.schedule)]
         for request in [*starting, *itertools.islice(self.waiting, admitted)]:
-            sizes = request.job.schedule
-            longest = longest_frame_period(sizes)
+            longest, early_frames = first_chunks_bound(tuple(request.job.schedule))
             if self.fastest_s * SHOWN_ROWS > longest:
                 continue
-            early_frames = sum(sizes[1:]) + sizes[-1]
             if slower + admitted * self.prefill_s / early_frames > longest:
                 return False
         return True
