@@ -54,7 +54,7 @@ VOCODER_BATCH_BYTES = 2 * GIB
 TTS_MOST_ROWS, TTS_LEAST_CAP = 64, 8
 SHARED_TTS = (("0.6B", "base"), ("0.6B", "custom_voice"), ("1.7B", "voice_design"))  # pipeline.service.HUB_CHECKPOINTS' first of each TTS tab
 # Qwen3-Omni on an H100 (benchmarks.omni, docs/BENCHMARKS.md): 4.7 GiB reserved beyond what is
-# allocated once ready, for the thinker's shared graph pool and prefill staging, the talker's MoE prefill.
+# allocated once ready, for the thinker's shared graph pool (its prompt pack's working memory), the talker's MoE prefill.
 OMNI_RESERVE_BYTES = 6 * GIB
 MOST_ROWS = 256  # what --rows takes at most; a plan's `max_rows` where its caller sets none
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # a card's memory that the CUDA context takes before any model (the table's assumption)
@@ -362,10 +362,10 @@ def tts_checkpoint_plan(directory: Path, dtype: torch.dtype, max_seq: int, name:
 
 def thinker_slot_bytes(text_config: dict[str, Any], max_len: int, dtype: torch.dtype) -> int:
     """Bytes of one conversation's thinker row (`pipeline.omni.thinker.RowKV`): its KV cache of `max_len`
-    positions and a few per-row numbers (its flag per vocabulary id, ~150 KB, fits in the fixed reserve)."""
+    positions and its sink, and a few per-row numbers (its flag per vocabulary id, ~150 KB, fits in the fixed reserve)."""
     layers, kv_heads = text_config["num_hidden_layers"], text_config["num_key_value_heads"]
     head_dim = text_config.get("head_dim") or text_config["hidden_size"] // text_config["num_attention_heads"]
-    return 2 * layers * kv_heads * max_len * head_dim * dtype.itemsize + 3 * 8
+    return 2 * layers * kv_heads * (max_len + 1) * head_dim * dtype.itemsize + 4 * 8
 
 
 def omni_row_bytes(config: dict[str, Any], dtype: torch.dtype, talker_max_seq: int, thinker_max_seq: int) -> int:

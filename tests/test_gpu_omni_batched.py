@@ -1,7 +1,8 @@
-"""On a CUDA GPU (skipped elsewhere): Qwen3-Omni's batched thinker, its step one CUDA graph over
-every row, gives each conversation started beside others the reply tokens and talker codes it
-gives alone, greedy and seeded: on the tiny checkpoint (fp32), and at the real 30B-A3B size with
-random weights in bf16 (an 80 GB card, as benchmarks.omni)."""
+"""On a CUDA GPU (skipped elsewhere): Qwen3-Omni's batched thinker, its step and its prompt packs
+CUDA graphs, gives each conversation started beside others (joining one after another, or
+arriving together and sharing packs) the reply tokens and talker codes it gives alone, greedy and
+seeded: on the tiny checkpoint (fp32), and at the real 30B-A3B size with random weights in bf16
+(an 80 GB card, as benchmarks.omni)."""
 import tempfile
 from pathlib import Path
 
@@ -23,15 +24,26 @@ def requests(count: int, greedy: bool, tokens: int, frames: int) -> list[ChatReq
             for i in range(count)]
 
 
-def check_staggered_equal_alone(chat: OmniChat, made: list[ChatRequest], again: list[ChatRequest]) -> None:
-    """`made` one at a time, then `again` (the same requests) each joining once the one before has written 4 tokens."""
+def check_equal_alone(chat: OmniChat, made: list[ChatRequest], again: list[ChatRequest], together: list[ChatRequest]) -> None:
+    """`made` one at a time; then `again` (the same requests) each joining once the one before has written 4
+    tokens; then `together` (the same again), all waiting before the thinker's next pack."""
     alone = [chat.reply(request) for request in made]
     listeners = []
     for request in again:
         if listeners:
             assert listeners[-1].has_tokens.wait(300)
         listeners.append(Listener(chat, request))
-    for one, listener in zip(alone, listeners):
+    check_replies(alone, listeners)
+    thinker = chat.thinker
+    with thinker.lock:
+        listeners = [Listener(chat, request) for request in together]
+        with thinker.changed:
+            assert thinker.changed.wait_for(lambda: len(thinker.waiting) == len(together), 300)
+    check_replies(alone, listeners)
+
+
+def check_replies(alone: list, listeners: list[Listener]) -> None:
+    for one, listener in zip(alone, listeners, strict=True):
         beside = listener.end()
         assert not beside.stopped and beside.tokens == one.tokens
         assert np.array_equal(beside.codes, one.codes)
@@ -44,7 +56,7 @@ def tiny_cuda(tiny_omni) -> OmniChat:
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
 def test_tiny_graphed_batched_thinker_is_batch_invariant(tiny_cuda, greedy):
-    check_staggered_equal_alone(tiny_cuda, requests(4, greedy, 20, 30), requests(4, greedy, 20, 30))
+    check_equal_alone(tiny_cuda, *(requests(4, greedy, 20, 30) for _ in range(3)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < REAL_SIZE_GIB * 2**30,
@@ -55,4 +67,4 @@ def test_real_size_batched_thinker_is_batch_invariant():
     with tempfile.TemporaryDirectory() as tmp:
         chat, _ = random_omni(Path(tmp), torch.bfloat16, rows=8, experts="grouped_mm", compiled=False)
         for greedy in (True, False):
-            check_staggered_equal_alone(chat, requests(8, greedy, 24, 40), requests(8, greedy, 24, 40))
+            check_equal_alone(chat, *(requests(8, greedy, 24, 40) for _ in range(3)))

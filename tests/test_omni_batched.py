@@ -1,7 +1,8 @@
 """Qwen3-Omni's batched thinker on the tiny checkpoint (CPU): conversations started at staggered
 times, each in its own row of one decode step, give exactly the reply tokens and talker codes each
-gives alone (greedy and seeded); a conversation that joins is prefilled between two steps of the
-others, one prompt per step, so theirs go on while it joins."""
+gives alone (greedy and seeded); prompts that arrive together share a pack, cut wherever the pack
+ends, and still give each alone's reply; the running conversations get a step after every pack;
+the pack's and the step's CUDA kernels compute what transformers' kernels compute."""
 import threading
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from pipeline.omni import ChatEnd, ChatRequest, OmniChat, TextDelta, Turn
 from pipeline.omni.conversation import ThinkerInputs
-from pipeline.omni.thinker import ThinkerReply, ThinkerSampling
+from pipeline.omni.thinker import Thinker, ThinkerReply, ThinkerSampling
 
 ROWS = 3
 HANG_GUARD_S = 120
@@ -67,58 +68,108 @@ def test_staggered_conversations_equal_each_alone(chat, greedy):
     assert len({tuple(reply.tokens) for reply in alone}) == len(alone)  # three different replies
 
 
-def test_a_joining_conversation_is_prefilled_between_steps_of_the_running_ones(chat, monkeypatch):
-    """One prompt per step: two conversations joining a running one are prefilled one at a time,
-    each followed by a step of every conversation in the thinker, the running one included."""
+def test_prompts_arriving_together_share_a_pack_between_steps_of_the_running_ones(chat, monkeypatch):
+    """Two conversations that arrive while one runs: their prompts fill the next packs in arrival order (the
+    second starting in the first's pack where it has room), and every pack is followed by a step of the
+    running ones, the long reply included."""
     thinker = chat.thinker
-    calls: list[tuple[str, frozenset]] = []
-    prefill, step = thinker._prefill, thinker._step
+    calls: list[tuple[str, list, frozenset]] = []
+    pack_through, step = thinker._pack_through, thinker._step
 
-    def logged_prefill(row, reply):
-        calls.append(("prefill", frozenset(thinker.running)))
-        return prefill(row, reply)
+    def logged_pack(packed):
+        calls.append(("pack", [(reply.row, first, count, reply.length) for reply, first, count in packed], frozenset(thinker.running)))
+        return pack_through(packed)
 
     def logged_step():
-        calls.append(("step", frozenset(thinker.running)))
+        calls.append(("step", [], frozenset(thinker.running)))
         return step()
 
-    monkeypatch.setattr(thinker, "_prefill", logged_prefill)
+    monkeypatch.setattr(thinker, "_pack_through", logged_pack)
     monkeypatch.setattr(thinker, "_step", logged_step)
     long = Listener(chat, ChatRequest([Turn("user", MESSAGES[0])], greedy=True, max_new_tokens=1024, speak=False))
     assert long.has_tokens.wait(HANG_GUARD_S)
-    joining = [Listener(chat, ChatRequest([Turn("user", text)], greedy=True, max_new_tokens=6, speak=False)) for text in MESSAGES[1:]]
+    long_row = next(iter(thinker.running))
+    with thinker.lock:  # the scheduler waits: both arrive before its next pack
+        joining = [Listener(chat, ChatRequest([Turn("user", text)], greedy=True, max_new_tokens=6, speak=False)) for text in MESSAGES[1:]]
+        with thinker.changed:
+            assert thinker.changed.wait_for(lambda: len(thinker.waiting) == 2, HANG_GUARD_S)
+        packs_before = sum(kind == "pack" for kind, _, _ in calls)
     replies = [listener.end() for listener in joining]
     long.stream.close()
     assert long.end().stopped and all(len(reply.tokens) == 6 for reply in replies)
-    prefills = [i for i, (kind, _) in enumerate(calls) if kind == "prefill"]
-    assert len(prefills) == 3 and calls[0] == ("prefill", frozenset())
-    first_row = next(iter(calls[1][1]))
-    for i in prefills[1:]:
-        running = calls[i][1]
-        assert first_row in running  # the long reply was running when the other joined
-        kind, after = calls[i + 1]
-        assert kind == "step" and after > running  # the next call is a step of all of them, the new one included
+    packs = [i for i, (kind, _, _) in enumerate(calls) if kind == "pack"][packs_before:]
+    positions = [(row, first, count, length) for i in packs for row, first, count, length in calls[i][1]]
+    (first_row, _, _, first_length), (second_row, _, _, second_length) = positions[0], positions[-1]
+    assert len(positions) == len(packs) + 1 and first_row != second_row  # exactly one pack holds both prompts
+    rows = [row for row, *_ in positions]
+    assert rows == sorted(rows, key=[first_row, second_row].index)  # arrival order
+    done = {first_row: 0, second_row: 0}
+    for row, first, count, _ in positions:  # each prompt's positions in order, none twice
+        assert first == done[row]
+        done[row] += count
+    assert done == {first_row: first_length, second_row: second_length}
+    for i in packs:
+        assert sum(count for _, _, count, _ in calls[i][1]) == thinker.pack_tokens or i == packs[-1]  # packs are filled
+        kind, _, running = calls[i + 1]
+        assert kind == "step" and long_row in running and long_row in calls[i][2]  # the long reply goes on after every pack
 
 
+def _prefill_now(thinker, replies: list[ThinkerReply]) -> None:
+    """The replies' prompts through the thinker on this thread, pack by pack (no scheduler thread)."""
+    thinker.waiting.extend(replies)
+    while thinker.waiting or thinker.prefilling:
+        thinker._admit()
 
-def test_the_steps_cuda_kernels_compute_what_transformers_kernels_compute(tiny_omni):
-    """What the step runs on CUDA (the row-invariant experts and attention, here in Triton's interpreter)
-    against what it runs on the CPU (transformers' batched_mm experts and sdpa): the same logits for two
-    conversations of different lengths, one row idle."""
+
+def _reply(thinker, ids: torch.Tensor, seed: int, greedy: bool = True, tokens: int = 8) -> ThinkerReply:
+    sampling = ThinkerSampling(do_sample=not greedy)
+    return ThinkerReply(ThinkerInputs(ids), thinker._input_embeds(ids, {}), sampling, seed, tokens, -1, threading.Event(), None)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
+def test_prompts_cut_anywhere_by_the_packs_give_each_alones_reply(tiny_omni, greedy):
+    """Packs of 16 positions: three prompts of 9, 23 and 30 positions alone (the longer ones cut at 16), then
+    together (cut at other places: 16 = 9 + 7, 32 = 16 + 16 ...): the same reply tokens."""
+    thinker = Thinker.from_pretrained(tiny_omni, torch.device("cpu"), torch.float32, 1, rows=3, max_len=96, pack_tokens=16)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, thinker.vocab, (1, length), generator=g) for length in (9, 23, 30)]
+
+    def replies_of(group: list[int]) -> list[list[int]]:
+        with thinker.lock:  # all of them waiting before the scheduler's first pack
+            replies = [thinker.start(ThinkerInputs(prompts[i]), ThinkerSampling(do_sample=not greedy), 11 + i, 12, -1, threading.Event())
+                       for i in group]
+        return [list(reply) for reply in replies]
+
+    alone = [replies_of([i])[0] for i in range(len(prompts))]
+    assert replies_of(list(range(len(prompts)))) == alone and all(len(tokens) == 12 for tokens in alone)
+    assert len({tuple(tokens) for tokens in alone}) == 3
+
+
+def test_the_packs_and_steps_cuda_kernels_compute_what_transformers_kernels_compute(tiny_omni):
+    """What the pack and the step run on CUDA (the fixed-tile grouped experts, the row-invariant experts and
+    attention, here in Triton's interpreter) against what they run on the CPU (transformers' batched_mm experts,
+    SDPA): the same first-token logits for two prompts of different lengths in packs of 32 (the longer over
+    more than one block of keys and two packs), then the same step logits, one row idle."""
     from pipeline.omni import thinker as thinker_module
 
-    thinker = OmniChat.from_pretrained(str(tiny_omni), rows=3).thinker
+    thinker = Thinker.from_pretrained(tiny_omni, torch.device("cpu"), torch.float32, 1, rows=3, max_len=128, pack_tokens=32)
     g = torch.Generator().manual_seed(0)
-    logits = []
+    prompts = [torch.randint(0, thinker.vocab, (1, length), generator=g) for length in (9, 70)]
+    outputs: list[torch.Tensor] = []
+    hook = thinker.model.lm_head.register_forward_hook(lambda module, args, out: outputs.append(out.reshape(thinker.rows, -1).clone()))
+    results = {}
     with torch.inference_mode():
-        for row, length in enumerate((9, 70)):  # the second over more than one block of keys
-            ids = torch.randint(0, thinker.vocab, (1, length), generator=g)
-            thinker._prefill(row, ThinkerReply(ThinkerInputs(ids), thinker._input_embeds(ids, {}), ThinkerSampling(do_sample=False), 0, 8, -1,
-                                               threading.Event(), None))
-        hook = thinker.model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[:2, -1].clone()))
-        thinker._decode()
-        thinker_module._register_row_kernels()
-        thinker.step_kernels = (thinker_module.ROW_EXPERTS, thinker_module.ROW_ATTENTION)
-        thinker._decode()
-        hook.remove()
-    assert logits[0].std() > 0.1 and torch.allclose(logits[1], logits[0], atol=1e-4, rtol=1e-4), (logits[1] - logits[0]).abs().max()
+        for kernels in ("cpu", "cuda"):
+            if kernels == "cuda":
+                for row in list(thinker.running):
+                    thinker._finish(row)
+                thinker.step_kernels = (thinker_module.ROW_EXPERTS, thinker_module.ROW_ATTENTION)
+                thinker.pack_kernels = (thinker_module.PACK_EXPERTS, thinker_module.PACK_ATTENTION)
+            outputs.clear()
+            _prefill_now(thinker, [_reply(thinker, ids, 0) for ids in prompts])
+            thinker._decode()
+            assert len(outputs) == 4  # packs of 9 + 23, 32 and 15 positions, then the step
+            results[kernels] = (torch.stack([outputs[0][0], outputs[2][1]]), outputs[3][:2])
+    hook.remove()
+    for ours, expected in zip(results["cuda"], results["cpu"]):
+        assert expected.std() > 0.1 and torch.allclose(ours, expected, atol=1e-4, rtol=1e-4), (ours - expected).abs().max()

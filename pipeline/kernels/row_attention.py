@@ -1,8 +1,10 @@
-"""One query position of attention per row over that row's first `lengths[b]` keys (a decode step
-over rows of different lengths), deterministic and row-invariant: `decode_attention`.
+"""Attention of single query positions over a cache of rows, each query over the first `lengths[n]`
+keys of its own row, deterministic and row-invariant: `decode_attention` (a decode step, one query
+per row) and `token_attention` (a packed prefill: any number of queries, each naming its row).
 
-A program per (row, query head) walks the row's keys in fixed blocks with a float32 online softmax,
-so its result depends on its own query, keys and length only, and is the same on every run.
+A program per (query, head) walks its row's keys in fixed blocks with a float32 online softmax, so
+its result depends on its own query, keys and length only (not on the other queries, their number
+or its place among them), and is the same on every run.
 PyTorch's scaled_dot_product_attention (its default backend, bf16, the step's float mask) gave
 results that changed from run to run on an H200 once a row had more than 64 keys, and a
 conversation's reply drifted with them. Keys past a row's length are not read at all.
@@ -17,15 +19,16 @@ BLOCK_KEYS = 64
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, scaling, HEADS, KV_HEADS, MAX_KEYS, DIM,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0)
+def _token_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, lengths_ptr, out_ptr, scaling, HEADS, KV_HEADS, MAX_KEYS, DIM,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
     head = tl.program_id(1)
+    row = tl.load(rows_ptr + token)
     kv_head = head // (HEADS // KV_HEADS)
     dims = tl.arange(0, BLOCK_D)
     in_d = dims < DIM
-    q = tl.load(q_ptr + (row * HEADS + head) * DIM + dims, mask=in_d, other=0.0).to(tl.float32)
-    length = tl.load(lengths_ptr + row)
+    q = tl.load(q_ptr + (token * HEADS + head) * DIM + dims, mask=in_d, other=0.0).to(tl.float32)
+    length = tl.load(lengths_ptr + token)
     base = (row * KV_HEADS + kv_head).to(tl.int64) * MAX_KEYS * DIM
     best = tl.zeros([], dtype=tl.float32) - float("inf")
     total = tl.zeros([], dtype=tl.float32)
@@ -44,19 +47,31 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, scaling,
         total = total * rescale + tl.sum(weights, axis=0)
         acc = acc * rescale + tl.sum(weights[:, None] * v, axis=0)
         best = new_best
-    tl.store(out_ptr + (row * HEADS + head) * DIM + dims, (acc / total).to(out_ptr.dtype.element_ty), mask=in_d)
+    tl.store(out_ptr + (token * HEADS + head) * DIM + dims, (acc / total).to(out_ptr.dtype.element_ty), mask=in_d)
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, scaling: float) -> torch.Tensor:
     """query [B, H, 1, D], key and value [B, Hkv, L, D] (H a multiple of Hkv: grouped-query heads),
     lengths [B] (each row attends to keys 0..lengths[b]-1, at least one) -> [B, 1, H, D] in query's dtype."""
     rows, heads, positions, dim = query.shape
+    if positions != 1:
+        raise ValueError(f"decode_attention takes one query position per row; got query {tuple(query.shape)}.")
+    rows_of = torch.arange(rows, device=query.device)
+    return token_attention(query[:, :, 0], key, value, rows_of, lengths, scaling)[:, None]
+
+
+def token_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """query [N, H, D] (N queries), key and value [B, Hkv, L, D] (H a multiple of Hkv: grouped-query heads),
+    rows and lengths [N] (query n attends to keys 0..lengths[n]-1 of row rows[n], at least one) -> [N, H, D]
+    in query's dtype."""
+    tokens, heads, dim = query.shape
     kv_heads, max_keys = key.shape[1], key.shape[2]
-    if positions != 1 or heads % kv_heads or value.shape != key.shape:
-        raise ValueError(f"decode_attention takes one query position per row and grouped heads; got query {tuple(query.shape)}, "
+    if heads % kv_heads or value.shape != key.shape or key.shape[3] != dim:
+        raise ValueError(f"token_attention takes grouped heads over one cache; got query {tuple(query.shape)}, "
                          f"key {tuple(key.shape)}, value {tuple(value.shape)}.")
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    out = torch.empty(rows, 1, heads, dim, dtype=query.dtype, device=query.device)
-    _decode_attention_kernel[(rows, heads)](query, key, value, lengths.contiguous(), out, float(scaling), heads, kv_heads, max_keys, dim,
-                                            BLOCK_N=BLOCK_KEYS, BLOCK_D=triton.next_power_of_2(dim))
+    out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
+    _token_attention_kernel[(tokens, heads)](query, key, value, rows.contiguous(), lengths.contiguous(), out, float(scaling), heads, kv_heads,
+                                             max_keys, dim, BLOCK_N=BLOCK_KEYS, BLOCK_D=triton.next_power_of_2(dim))
     return out

@@ -5,29 +5,32 @@ soon as it exists.
 `rows` conversations share one decode step. Each holds a row of every per-row buffer: its KV cache
 (preallocated, written at the row's position, a device tensor), its next token, its sampling
 settings, its seed's counter-based draws and the ids it has seen (repetition penalty). One thread
-(the scheduler, `_run`) alternates between admitting at most one waiting conversation (its prompt
-through the model into a free row, and its first token) and one decode step over all rows, so a new
-conversation's prefill delays the others by one prompt, never by its whole reply.
+(the scheduler, `_run`) alternates between one pack of prompts and one decode step over all rows.
+A pack is `pack_tokens` prompt positions: the waiting prompts' next positions in arrival order, a
+prompt cut where the pack ends and continued in the next, each position writing its key and value
+straight into its conversation's row. So prompts that arrive together go through the model
+together (one read of the experts' weights for all of them), and a joining conversation delays the
+running ones by one pack at a time, never by its whole prompt or reply.
 
-Batch invariance: the step always runs over all `rows` rows and the whole cache (a row that holds
-no conversation feeds token 0 at position 0), so the same kernels run whatever the occupancy and
-a row's numbers depend only on its own inputs; graphs per batch size would let cuBLAS pick kernels
-by row count, and a reply would change with its neighbours. Two operations need more than fixed
-shapes. The routed experts: a grouped GEMM picks its tiles by the tokens each expert gets, so the
-step's experts run each row's own products (on CUDA `pipeline.kernels.experts`; on the CPU
-`batched_mm`, a product per (token, expert) pair), and the CUDA kernel skips the rows that hold no
-conversation, so one conversation does not pay for the idle rows' experts. Attention: PyTorch's
-SDPA over a long masked key range (one query a row) is not reproducible from run to run on CUDA,
-so the step attends through `pipeline.kernels.row_attention` (each row over its own keys only).
-Both are registered with transformers' experts and attention interfaces and chosen for the step
-alone. On CUDA the step is one graph: in eager PyTorch the 48-layer MoE step is
-thousands of small launches. The prompt goes through transformers' decoder layers (grouped GEMM
-experts on CUDA: a prompt is one conversation's alone) as two graphs per length bucket, split at the
-layer the talker reads, into a staging cache and then into the conversation's row.
+Batch invariance: a conversation's reply is the same alone and beside others, whatever packs its
+prompt shared and wherever they cut it. Every pack and every step runs at one fixed shape (a
+pack's unused positions and the rows that hold no conversation compute and are ignored, writing
+their keys to a sink position past the end of the cache), so the same dense kernels run whatever
+the occupancy and a position's numbers depend only on its own inputs; shapes that followed the
+load would let cuBLAS pick kernels by row count. Two operations need more than fixed shapes. The
+routed experts: a grouped GEMM picks its tiles by the tokens each expert gets, so on CUDA the pack
+runs `pipeline.kernels.grouped_experts` (fixed tiles) and the step `pipeline.kernels.experts`
+(each row's own products, skipping rows that hold no conversation); on the CPU both run
+`batched_mm`, a product per (token, expert) pair. Attention: every query attends over its own
+row's cached keys, through `pipeline.kernels.row_attention` on CUDA (PyTorch's SDPA over a long
+masked key range is not reproducible from run to run there) and SDPA over the gathered rows on the
+CPU. These are registered with transformers' experts and attention interfaces and chosen for the
+pack and the step alone. On CUDA the step and the pack's two halves (split at the layer the talker
+reads) are graphs: in eager PyTorch the 48-layer MoE model is thousands of small launches.
 
-Memory: a row is its KV cache, 2 x layers x KV heads x `max_len` x head_dim elements (0.28 GiB in
-bf16 at the released size and 3054 positions), and a flag per vocabulary id; the step's working
-memory lives in the graph pool that the largest prompt's graphs already hold. pipeline.memory_plan
+Memory: a row is its KV cache, 2 x layers x KV heads x (`max_len` + 1) x head_dim elements (0.28 GiB
+in bf16 at the released size and 3054 positions), and a flag per vocabulary id; the step's working
+memory lives in the graph pool that the pack's graphs already hold. pipeline.memory_plan
 counts one row per conversation (`thinker_slot_bytes`), and OmniChat builds as many as the free
 memory holds after the weights and the fixed reserve, up to its default.
 
@@ -59,13 +62,18 @@ from pipeline.model import known_fields
 from pipeline.omni.conversation import ThinkerInputs
 
 log = logging.getLogger(__name__)
-PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # prompt lengths with a prefill graph (zero-padded to the next)
+# Prompt positions a pack takes: on CUDA the experts' weights are read once for all of them (a short
+# message is ~60), on the CPU the attention gathers each position's row.
+PACK_TOKENS = {"cuda": 512, "cpu": 64}
 # The transformers releases the driver is tested on (both ends included); requirements.txt allows these.
 SUPPORTED_TRANSFORMERS = ("5.15.1", "5.24.0")
 _END = object()  # a reply's last item: the thinker wrote its last token
-# The decode step's experts and attention on CUDA, under these names in transformers' interfaces.
+# The decode step's and the pack's experts and attention, under these names in transformers' interfaces.
 ROW_EXPERTS = "row_invariant"
 ROW_ATTENTION = "row_invariant_decode"
+PACK_EXPERTS = "row_invariant_grouped"
+PACK_ATTENTION = "row_invariant_packed"
+PACK_SDPA = "row_invariant_packed_sdpa"
 
 
 def _row_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -86,12 +94,45 @@ def _row_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value
     return decode_attention(query, key, value, lengths, scaling), None
 
 
+def _pack_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward for a pack through the fixed-tile grouped kernel, skipping the pack's
+    unused positions (`experts.active_tokens`)."""
+    from pipeline.kernels.grouped_experts import grouped_experts
+
+    return grouped_experts(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, experts.active_tokens)
+
+
+def _pack_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float, token_rows: torch.Tensor, token_lengths: torch.Tensor, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for a pack: query [1, H, T, D], key and value the layer's whole
+    cache [rows, Hkv, positions, D]; position t attends to the first `token_lengths[t]` keys of row
+    `token_rows[t]` (its prompt's keys up to itself, this pack's included: they are written first)."""
+    from pipeline.kernels.row_attention import token_attention
+
+    return token_attention(query[0].transpose(0, 1), key, value, token_rows, token_lengths, scaling)[None], None
+
+
+def _pack_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                       scaling: float, token_rows: torch.Tensor, token_lengths: torch.Tensor, **kwargs) -> tuple[torch.Tensor, None]:
+    """The same through PyTorch's SDPA (the CPU's): each position as a decode row of its own, its row's keys
+    gathered and the keys past its length masked (every call the same shape: the whole cache)."""
+    keys, values = key[token_rows], value[token_rows]
+    open_keys = torch.arange(key.shape[2], device=key.device)[None] < token_lengths[:, None]
+    mask = torch.where(open_keys, 0.0, torch.finfo(query.dtype).min).to(query.dtype)[:, None, None]
+    out = torch.nn.functional.scaled_dot_product_attention(query[0].transpose(0, 1)[:, :, None], keys, values, attn_mask=mask,
+                                                           scale=scaling, enable_gqa=True)
+    return out[:, :, 0][None], None
+
+
 def _register_row_kernels() -> None:
     from transformers import AttentionInterface
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(ROW_EXPERTS, _row_experts_forward)
     AttentionInterface.register(ROW_ATTENTION, _row_attention_forward)
+    ExpertsInterface.register(PACK_EXPERTS, _pack_experts_forward)
+    AttentionInterface.register(PACK_ATTENTION, _pack_attention_forward)
+    AttentionInterface.register(PACK_SDPA, _pack_sdpa_forward)
 
 
 def check_transformers_version(installed: str) -> None:
@@ -118,43 +159,41 @@ class ThinkerSampling:
         return cls(**known_fields(cls, section))
 
 
-class StaticKV:
-    """Keys and values of every layer for one prompt in fixed buffers; each `update` (called by
-    transformers' attention) writes at `index`, the prompt's positions (a device tensor)."""
-
-    def __init__(self, layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        self.keys = torch.zeros(layers, 1, heads, max_len, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.index = torch.arange(max_len, device=device)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys[layer_idx].index_copy_(2, self.index, key)
-        self.values[layer_idx].index_copy_(2, self.index, value)
-        return self.keys[layer_idx], self.values[layer_idx]
-
-
 class RowKV:
-    """Keys and values of every layer for every row, [layers, rows, heads, max_len, head_dim]; each
+    """Keys and values of every layer for every row, [layers, rows, heads, max_len + 1, head_dim]; each
     `update` (called by transformers' attention in the decode step) writes row r's one new key at
-    `positions[r]`, a device tensor, so a graph replay writes where each row stands."""
+    `write_at[r]`, a device tensor (its position, or the sink `max_len` for a row that holds no
+    conversation), so a graph replay writes where each row stands."""
 
     def __init__(self, layers: int, rows: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        self.keys = torch.zeros(layers, rows, heads, max_len, head_dim, dtype=dtype, device=device)
+        self.keys = torch.zeros(layers, rows, heads, max_len + 1, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.sink = max_len
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # where each row's next key goes
+        self.write_at = torch.zeros(rows, dtype=torch.long, device=device)
         self.row_ids = torch.arange(rows, device=device)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         # key, value: [rows, heads, 1, head_dim]
-        self.keys[layer_idx][self.row_ids, :, self.positions] = key[:, :, 0]
-        self.values[layer_idx][self.row_ids, :, self.positions] = value[:, :, 0]
+        self.keys[layer_idx][self.row_ids, :, self.write_at] = key[:, :, 0]
+        self.values[layer_idx][self.row_ids, :, self.write_at] = value[:, :, 0]
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def load(self, row: int, prompt: StaticKV, length: int) -> None:
-        """Take over the first `length` positions of `prompt` (prefilled there) into `row`."""
-        self.keys[:, row, :, :length].copy_(prompt.keys[:, 0, :, :length])
-        self.values[:, row, :, :length].copy_(prompt.values[:, 0, :, :length])
-        self.positions[row] = length
+
+class PackKV:
+    """A pack's writes into the rows' caches: position t's key and value go to row `rows[t]` at `write_at[t]`
+    (its place in its prompt; the sink for an unused position), device tensors set before each pack."""
+
+    def __init__(self, kv: RowKV, tokens: int):
+        self.kv = kv
+        self.rows = torch.zeros(tokens, dtype=torch.long, device=kv.keys.device)
+        self.write_at = torch.full((tokens,), kv.sink, dtype=torch.long, device=kv.keys.device)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        # key, value: [1, heads, tokens, head_dim]
+        self.kv.keys[layer_idx][self.rows, :, self.write_at] = key[0].transpose(0, 1)
+        self.kv.values[layer_idx][self.rows, :, self.write_at] = value[0].transpose(0, 1)
+        return self.kv.keys[layer_idx], self.kv.values[layer_idx]
 
 
 @dataclass
@@ -174,6 +213,13 @@ class ThinkerReply:
     on_accept_layer: Callable[[torch.Tensor, torch.Tensor], None] | None
     tokens: queue.Queue = field(default_factory=queue.Queue)
     written: int = 0  # tokens written so far (the scheduler's count)
+    row: int = -1  # the row it holds, from its prompt's first pack
+    prefilled: int = 0  # prompt positions through the model so far
+    accept_hidden: torch.Tensor | None = None  # [L, hidden] layer `accept_hidden_layer`'s output, pack by pack (for on_accept_layer)
+
+    @property
+    def length(self) -> int:
+        return self.embeds.shape[1]
 
     def __iter__(self) -> Iterator[int]:
         while True:
@@ -189,7 +235,7 @@ class Thinker:
     """Up to `rows` conversations at once, each up to `max_len` positions (prompt and reply); a
     further one waits for a row. `start` hands a conversation to the scheduler thread."""
 
-    def __init__(self, model, accept_hidden_layer: int, rows: int = 1, max_len: int = 4096):
+    def __init__(self, model, accept_hidden_layer: int, rows: int = 1, max_len: int = 4096, pack_tokens: int | None = None):
         model.visual = None  # messages are text and audio: the vision encoder's ~1.1 GB (bf16) is not kept
         self.model = model
         self.text = model.get_decoder()  # the text model: embeddings, rotary embedding, decoder layers, norm
@@ -197,38 +243,34 @@ class Thinker:
         self.rows, self.max_len = rows, max_len
         weight = model.get_input_embeddings().weight
         self.device, self.vocab = weight.device, model.lm_head.weight.shape[0]
+        self.pack_tokens = pack_tokens or PACK_TOKENS.get(self.device.type, PACK_TOKENS["cpu"])
         config = model.config.text_config
         self.experts = [layer.mlp.experts for layer in self.text.layers if hasattr(layer.mlp, "experts")]
+        _register_row_kernels()
         if self.device.type == "cuda":
             self._check_expert_layout()
-            _register_row_kernels()
-            self.step_kernels = (ROW_EXPERTS, ROW_ATTENTION)
+            self.step_kernels, self.pack_kernels = (ROW_EXPERTS, ROW_ATTENTION), (PACK_EXPERTS, PACK_ATTENTION)
         else:
             # Each (token, expert) pair its own product: the CPU's grouped kernel runs one GEMM per expert over
             # however many tokens chose it, and a GEMM's blocking may follow that count, so a row's rounding could
             # follow its neighbours' routing.
             config._experts_implementation = "batched_mm"
-            self.step_kernels = (config._experts_implementation, config._attn_implementation)
-        self.key_positions = torch.arange(max_len, device=self.device)
+            self.step_kernels, self.pack_kernels = ("batched_mm", config._attn_implementation), ("batched_mm", PACK_SDPA)
+        self.key_positions = torch.arange(max_len + 1, device=self.device)
         self.masked = torch.tensor(torch.finfo(weight.dtype).min, dtype=weight.dtype, device=self.device)
         self._rows_state(config, weight.dtype)
+        self._pack_state(config.hidden_size, weight.dtype)
         self.graph_pool = GraphPool()  # every graph of the thinker runs on its scheduler thread, so they share one pool
         graphs = self.device.type == "cuda"
         self.step_graph = CUDAGraphed(self._decode, graphs, shared=self.graph_pool)
-        # Prompts go through graphs per length bucket (zero-padded; causal masking keeps the padding out
-        # of every real position) into one staging cache, then into the conversation's row.
-        self.buckets = [b for b in PREFILL_BUCKETS if b < max_len] or [max_len]
-        self.staging = StaticKV(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.buckets[-1], weight.dtype, self.device)
-        self.prefill_in = torch.zeros(1, self.buckets[-1], config.hidden_size, dtype=weight.dtype, device=self.device)
-        self.prefill_mid = torch.zeros_like(self.prefill_in)
-        self.prefill_lower = {b: CUDAGraphed(partial(self._prefill_layers, b, 0, accept_hidden_layer), graphs, shared=self.graph_pool)
-                              for b in self.buckets}
-        self.prefill_upper = {b: CUDAGraphed(partial(self._prefill_layers, b, accept_hidden_layer, config.num_hidden_layers), graphs,
-                                             shared=self.graph_pool) for b in self.buckets}
+        self.pack_lower = CUDAGraphed(partial(self._pack_layers, 0, accept_hidden_layer), graphs, shared=self.graph_pool)
+        self.pack_upper = CUDAGraphed(partial(self._pack_layers, accept_hidden_layer, config.num_hidden_layers), graphs,
+                                      shared=self.graph_pool)
         self.lock = threading.Lock()  # the model's buffers: the scheduler's work, or a capture
         self.changed = threading.Condition()
-        self.waiting: list[ThinkerReply] = []  # in arrival order
-        self.running: dict[int, ThinkerReply] = {}  # row -> its conversation
+        self.waiting: list[ThinkerReply] = []  # in arrival order, no row yet
+        self.prefilling: list[ThinkerReply] = []  # in arrival order, each in its row, its prompt part way through
+        self.running: dict[int, ThinkerReply] = {}  # row -> its conversation, writing its reply
         self.scheduler: threading.Thread | None = None
 
     def _rows_state(self, config, dtype: torch.dtype) -> None:
@@ -237,8 +279,6 @@ class Thinker:
         self.kv = RowKV(config.num_hidden_layers, rows, config.num_key_value_heads, config.head_dim, self.max_len, dtype, device)
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.active = torch.zeros(rows, dtype=torch.bool, device=device)
-        for experts in self.experts:
-            experts.active_rows = self.active  # what the step's row-invariant experts skip
         self.seen = torch.zeros(rows, self.vocab, dtype=torch.bool, device=device)  # ids in the prompt or the reply
         self.penalty = torch.ones(rows, device=device)
         self.settings = RowSampling.zeros(rows, device)
@@ -248,6 +288,21 @@ class Thinker:
         self.picked = torch.zeros(rows, dtype=torch.long, pin_memory=cuda)
         self.picked_ready = torch.cuda.Event() if cuda else None
 
+    def _pack_state(self, hidden: int, dtype: torch.dtype) -> None:
+        """The buffers a pack reads: its positions' input embeddings, rope positions, rows and key counts; and
+        each row's last prompt position in the pack (where its first reply token comes from) if its prompt ends there."""
+        tokens, device = self.pack_tokens, self.device
+        self.pack_in = torch.zeros(1, tokens, hidden, dtype=dtype, device=device)
+        self.pack_mid = torch.zeros_like(self.pack_in)
+        self.pack_kv = PackKV(self.kv, tokens)
+        self.pack_positions = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.pack_lengths = torch.ones(tokens, dtype=torch.long, device=device)
+        self.pack_used = torch.zeros(tokens, dtype=torch.bool, device=device)
+        self.pack_last = torch.zeros(self.rows, dtype=torch.long, device=device)
+        for experts in self.experts:
+            experts.active_rows = self.active  # what the step's row-invariant experts skip
+            experts.active_tokens = self.pack_used  # what the pack's skip
+
     def _check_expert_layout(self) -> None:
         """The row-invariant kernels read transformers' default experts layout: [gate; up] stacked, not transposed, no bias."""
         for experts in self.experts:
@@ -255,12 +310,12 @@ class Thinker:
                 raise CheckpointError("The thinker's experts are not in transformers' stacked [gate; up] layout that the decode step reads.")
 
     @contextlib.contextmanager
-    def _step_kernels(self) -> Iterator[None]:
-        """The decode step's experts and attention: transformers dispatch on the config's `_experts_implementation`
-        and `_attn_implementation` at each call, and the step's (traced into its graph on CUDA) differ from the prompt's."""
+    def _kernels(self, kernels: tuple[str, str]) -> Iterator[None]:
+        """The step's or the pack's experts and attention: transformers dispatch on the config's `_experts_implementation`
+        and `_attn_implementation` at each call (traced into the graphs on CUDA)."""
         config = self.model.config.text_config
         before = config._experts_implementation, config._attn_implementation
-        config._experts_implementation, config._attn_implementation = self.step_kernels
+        config._experts_implementation, config._attn_implementation = kernels
         try:
             yield
         finally:
@@ -268,27 +323,23 @@ class Thinker:
 
     @torch.inference_mode()
     def use_graphs(self, enabled: bool) -> None:
-        """Run the prompt and step as CUDA graphs (on CUDA only), captured now rather than in a user's
+        """Run the pack and the step as CUDA graphs (on CUDA only), captured now rather than in a user's
         first reply; or eagerly."""
-        for graphed in self._graphed():
+        for graphed in (self.step_graph, self.pack_lower, self.pack_upper):
             graphed.enabled = enabled and self.device.type == "cuda"
         if enabled and self.device.type == "cuda":
             self.warm_up()
 
-    def _graphed(self) -> list[CUDAGraphed]:
-        return [self.step_graph] + list(self.prefill_lower.values()) + list(self.prefill_upper.values())
-
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture every graph, the largest prompt first: the pool then holds its working memory, which every
-        later capture reuses. A capture's warm-up runs write into the staging cache, which the next prompt
-        overwrites, and at position 0 of rows that hold no conversation (as every step does)."""
+        """Capture every graph, the pack first: the pool then holds its working memory, which the step's capture
+        reuses. A capture's warm-up runs write at the sink of the cache, as every unused position and idle row does."""
         with self.lock:
-            if self.running:
+            if self.running or self.prefilling:
                 raise RuntimeError("The thinker's graphs are captured while no conversation runs.")
-            for bucket in reversed(self.buckets):
-                self.prefill_lower[bucket]()
-                self.prefill_upper[bucket]()
+            self._fill_pack([])
+            self.pack_lower()
+            self.pack_upper()
             self.step_graph()
 
     @classmethod
@@ -328,11 +379,10 @@ class Thinker:
               stop: threading.Event, on_accept_layer: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> ThinkerReply:
         """Queue a conversation for a row; its reply comes as the scheduler writes it. `on_accept_layer(embeds,
         hidden)` is called (on the scheduler's thread) as soon as the prompt's layer `accept_hidden_layer` is
-        done, before the layers above it run (what the talker's prompt needs is known by then, and its prefill
-        overlaps theirs). The audio encoder runs here, on the caller's thread, not in the others' way."""
+        done, before the layers above it run over its last pack (what the talker's prompt needs is known by
+        then, and its prefill overlaps theirs). The audio encoder runs here, on the caller's thread, not in the
+        others' way."""
         length = inputs.input_ids.shape[1]
-        if length > self.buckets[-1]:
-            raise ValueError(f"The prompt has {length} positions; the thinker takes at most {self.buckets[-1]}.")
         if length + max_new_tokens - 1 > self.max_len:
             raise ValueError(f"The thinker's cache holds {self.max_len} positions; a prompt of {length} and a reply of {max_new_tokens} do not fit.")
         reply = ThinkerReply(inputs, self._input_embeds(inputs.input_ids.to(self.device), inputs.features), sampling, seed, max_new_tokens,
@@ -346,35 +396,66 @@ class Thinker:
         return reply
 
     def _run(self) -> None:
-        """The scheduler: admit at most one waiting conversation, then one step of all of them; sleep when there is nothing to do."""
+        """The scheduler: one pack of the waiting prompts, then one step of the running replies; sleep when there is nothing to do."""
         while True:
             with self.changed:
-                self.changed.wait_for(lambda: self.waiting or self.running)
+                self.changed.wait_for(lambda: self.waiting or self.prefilling or self.running)
             with self.lock, torch.inference_mode():
-                self._admit_one()
+                self._admit()
                 self._drop_stopped()
                 if self.running:
                     self._step_all()
 
-    def _admit_one(self) -> None:
-        """The first waiting conversation into a free row (a stopped one leaves the queue with no token)."""
+    def _admit(self) -> None:
+        """Free rows to waiting conversations, then one pack of the prompts in their rows (a stopped one leaves with no token)."""
         with self.changed:
             for reply in [r for r in self.waiting if r.stop.is_set()]:
                 self.waiting.remove(reply)
                 reply.tokens.put(_END)
-            free = [row for row in range(self.rows) if row not in self.running]
-            if not self.waiting or not free:
-                return
-            reply, row = self.waiting.pop(0), free[0]
+            taken = set(self.running) | {reply.row for reply in self.prefilling}
+            free = [row for row in range(self.rows) if row not in taken]
+            admitted = [(self.waiting.pop(0), row) for row in free[:len(self.waiting)]]
+        for reply, row in admitted:
+            self._take_row(reply, row)
+        for reply in [r for r in self.prefilling if r.stop.is_set()]:
+            self.prefilling.remove(reply)
+            reply.tokens.put(_END)
+            self._leave(reply.row)
+        if self.prefilling:
+            self._pack()
+
+    def _take_row(self, reply: ThinkerReply, row: int) -> None:
+        """`row` ready for `reply`: its sampling settings, its seed's draws from the start, its prompt's ids seen."""
+        reply.row = row
+        sampling = reply.sampling
+        self.settings.set_row(row, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p)
+        self.penalty[row] = sampling.repetition_penalty if sampling.do_sample else 1.0
+        self.seed_hash[row:row + 1] = mix32(torch.tensor([reply.seed & M32], device=self.device))
+        self.draw_offset[row] = 0
+        self.seen[row] = False
+        self.seen[row, reply.inputs.input_ids[0].to(self.device)] = True
+        if reply.on_accept_layer is not None:
+            reply.accept_hidden = torch.empty(reply.length, self.pack_in.shape[2], dtype=self.pack_in.dtype, device=self.device)
+        self.prefilling.append(reply)
+
+    def _pack(self) -> None:
+        """The next pack of the prompts in their rows; a prompt that ends in it gets its first reply token and starts running."""
+        packed = self._fill_pack(self.prefilling)
         try:
-            token = self._prefill(row, reply)
-        except Exception as exc:  # noqa: BLE001 - the conversation's reader raises it
+            picked = self._pack_through(packed)
+        except Exception as exc:  # noqa: BLE001 - each conversation's reader raises it
             log.exception("omni thinker prefill failed")
-            reply.tokens.put(exc)
-            self._leave(row)
+            for reply, _, _ in packed:
+                self.prefilling.remove(reply)
+                reply.tokens.put(exc)
+                self._leave(reply.row)
             return
-        self.running[row] = reply
-        self._deliver(row, reply, token)
+        for reply, first, count in packed:
+            reply.prefilled = first + count
+            if reply.prefilled == reply.length:
+                self.prefilling.remove(reply)
+                self.running[reply.row] = reply
+                self._deliver(reply.row, reply, picked[reply.row])
 
     def _deliver(self, row: int, reply: ThinkerReply, token: int) -> None:
         reply.written += 1
@@ -410,32 +491,74 @@ class Thinker:
 
     # ---- the model -------------------------------------------------------------------------------
 
-    def _prefill(self, row: int, reply: ThinkerReply) -> int:
-        """The prompt through the thinker into `row`; its first reply token."""
-        input_ids = reply.inputs.input_ids.to(self.device)
-        length = input_ids.shape[1]
-        bucket = next(b for b in self.buckets if length <= b)
-        self.prefill_in[:, :length].copy_(reply.embeds)
-        self.prefill_in[:, length:bucket].zero_()
-        lower = self.prefill_lower[bucket]()
-        if reply.on_accept_layer is not None:
-            reply.on_accept_layer(reply.embeds[0], lower[0, :length].clone())
-        upper = self.prefill_upper[bucket]()
-        logits = self.model.lm_head(upper[:, length - 1 : length])[0, -1]
-        self.kv.load(row, self.staging, length)
-        sampling = reply.sampling
-        self.settings.set_row(row, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p)
-        self.penalty[row] = sampling.repetition_penalty if sampling.do_sample else 1.0
-        self.seed_hash[row:row + 1] = mix32(torch.tensor([reply.seed & M32], device=self.device))
-        self.draw_offset[row] = 0
-        self.seen[row] = False
-        self.seen[row, input_ids[0]] = True
-        rows = slice(row, row + 1)
-        picked = self._pick(logits.float()[None], rows, self.settings.select(rows))
-        self.tokens[row] = picked[0]
-        self.active[row] = True
-        self._commit(picked, rows)
-        return self._to_host(picked)[0]
+    def _fill_pack(self, prompts: list[ThinkerReply]) -> list[tuple[ThinkerReply, int, int]]:
+        """The pack's buffers from the prompts' next positions, in order, until it is full: (prompt, its first
+        position in the pack, how many) for each prompt in it. Unused positions read zeros at rope position
+        0 of row 0, attend to one key and write at the sink."""
+        tokens = self.pack_tokens
+        rows = torch.zeros(tokens, dtype=torch.long)
+        positions = torch.zeros(tokens, dtype=torch.long)
+        write_at = torch.full((tokens,), self.kv.sink, dtype=torch.long)
+        last = torch.zeros(self.rows, dtype=torch.long)
+        packed, used = [], 0
+        for reply in prompts:
+            if used == tokens:
+                break
+            first = reply.prefilled
+            count = min(reply.length - first, tokens - used)
+            self.pack_in[0, used:used + count].copy_(reply.embeds[0, first:first + count])
+            rows[used:used + count] = reply.row
+            positions[used:used + count] = write_at[used:used + count] = torch.arange(first, first + count)
+            if first + count == reply.length:
+                last[reply.row] = used + count - 1
+            packed.append((reply, first, count))
+            used += count
+        self.pack_in[0, used:].zero_()
+        self.pack_kv.rows.copy_(rows)
+        self.pack_kv.write_at.copy_(write_at)
+        self.pack_positions.copy_(positions)
+        self.pack_lengths.copy_(positions + 1)
+        self.pack_used.copy_(torch.arange(tokens) < used)
+        self.pack_last.copy_(last)
+        return packed
+
+    def _pack_through(self, packed: list[tuple[ThinkerReply, int, int]]) -> list[int]:
+        """The filled pack through the model: the lower layers, each prompt's share of their output kept and
+        handed on once its prompt is complete, the upper layers; every row's pick from its prompt's last position
+        (used for the rows whose prompt ended in the pack: they start running here)."""
+        lower = self.pack_lower()
+        offset = 0
+        for reply, first, count in packed:
+            if reply.accept_hidden is not None:
+                reply.accept_hidden[first:first + count].copy_(lower[0, offset:offset + count])
+                if first + count == reply.length:
+                    reply.on_accept_layer(reply.embeds[0], reply.accept_hidden)
+            offset += count
+        picked = self.pack_upper()
+        ending = torch.zeros(self.rows, dtype=torch.bool)
+        for reply, first, count in packed:
+            if first + count == reply.length:
+                ending[reply.row] = True
+                self.kv.positions[reply.row] = reply.length
+        ending = ending.to(self.device)
+        self.tokens[:, 0] = torch.where(ending, picked, self.tokens[:, 0])
+        self.active |= ending
+        self._commit(picked, ending)
+        return self._to_host(picked)
+
+    def _pack_layers(self, first: int, last: int) -> torch.Tensor:
+        """Layers first..last-1 over the whole pack (what a pack graph holds), keys and values written into the
+        rows; the lower part reads the input embeddings and leaves its output where the upper part reads it, the
+        upper part picks every row's next token from the row's `pack_last` position."""
+        hidden = self.pack_in if first == 0 else self.pack_mid
+        with self._kernels(self.pack_kernels):
+            hidden = self._layers(hidden, self.pack_positions[None], None, self.pack_kv, first, last,
+                                  token_rows=self.pack_kv.rows, token_lengths=self.pack_lengths)
+        if last < len(self.text.layers):
+            self.pack_mid.copy_(hidden)
+            return self.pack_mid
+        logits = self.model.lm_head(self.text.norm(hidden[0, self.pack_last, None]))[:, -1].float()  # [rows, 1, hidden] as in the step
+        return self._pick(logits, slice(None), self.settings)
 
     def _input_embeds(self, input_ids: torch.Tensor, features: dict[str, torch.Tensor]) -> torch.Tensor:
         """[1, L, hidden]: the token embeddings, the audio encoder's output at the audio placeholders."""
@@ -447,30 +570,16 @@ class Thinker:
             embeds = embeds.masked_scatter(placeholders, audio.to(embeds.dtype))
         return embeds
 
-    def _prefill_layers(self, bucket: int, first: int, last: int) -> torch.Tensor:
-        """Layers first..last-1 over `bucket` positions of the prompt buffer (what a prefill graph
-        holds), writing keys and values into the staging cache; the lower part reads the input
-        embeddings and leaves its output where the upper part reads it."""
-        positions = self.key_positions[:bucket]
-        self.staging.index = positions
-        mask = torch.where(self.key_positions[None, :self.buckets[-1]] <= positions[:, None], 0.0, self.masked).to(self.masked.dtype)
-        hidden = self.prefill_in[:, :bucket] if first == 0 else self.prefill_mid[:, :bucket]
-        hidden = self._layers(hidden, positions[None], mask[None, None], self.staging, first, last)
-        if last < len(self.text.layers):
-            self.prefill_mid[:, :bucket].copy_(hidden)
-            return self.prefill_mid[:, :bucket]
-        return self.text.norm(hidden)
-
-    def _layers(self, hidden: torch.Tensor, rope_positions: torch.Tensor, mask: torch.Tensor, cache: StaticKV | RowKV,
-                first: int, last: int) -> torch.Tensor:
+    def _layers(self, hidden: torch.Tensor, rope_positions: torch.Tensor, mask: torch.Tensor | None, cache: RowKV | PackKV,
+                first: int, last: int, **attention: torch.Tensor) -> torch.Tensor:
         """Decoder layers first..last-1 over `hidden` [B, n, hidden] at `rope_positions` [B, n], attending
-        where `mask` [B, 1, n, keys] is 0, keys and values written into `cache`."""
+        where `mask` [B, 1, n, keys] is 0 (or as the `attention` arguments say), keys and values written into `cache`."""
         # Text and audio prompts have sequential multimodal rope positions (no images or video): all three rows alike.
         rope = self.text.rotary_emb(hidden, rope_positions[None].expand(3, -1, -1))
         for layer in self.text.layers[first:last]:
             # (hidden, attention_mask, position_ids, cache): the cache by position, as its keyword is
             # `past_key_values` up to transformers 5.23 and `cache` from 5.24.
-            hidden = layer(hidden, mask, None, cache, position_embeddings=rope)
+            hidden = layer(hidden, mask, None, cache, position_embeddings=rope, **attention)
         return hidden
 
     def _step(self) -> list[int]:
@@ -478,24 +587,23 @@ class Thinker:
         picked = self.step_graph()
         # Outside the graph: a capture's warm-up runs execute the step for real, and a step that
         # moved its own state would then move it three times.
-        everything = slice(None)
         self.tokens[:, 0] = torch.where(self.active, picked, 0)
-        self._commit(picked, everything)
+        self._commit(picked, self.active)
         self.kv.positions.add_(self.active)
         return self._to_host(picked)
 
-    def _commit(self, picked: torch.Tensor, rows: slice) -> None:
-        """Count the picked tokens as seen and move the rows' draws on, for active rows only; on the device:
-        a host number copied in would wait for the GPU."""
-        active = self.active[rows]
-        row_ids = self.kv.row_ids[rows]
-        self.seen[row_ids, picked] |= active
-        self.draw_offset[rows] += active * self.vocab
+    def _commit(self, picked: torch.Tensor, rows: torch.Tensor) -> None:
+        """Count the picked tokens as seen and move the rows' draws on, for the rows flagged in `rows` only; on the
+        device: a host number copied in would wait for the GPU."""
+        self.seen[self.kv.row_ids, picked] |= rows
+        self.draw_offset += rows * self.vocab
 
     def _decode(self) -> torch.Tensor:
-        """Every row's next token [rows] from its last one: what the step's graph holds."""
+        """Every row's next token [rows] from its last one: what the step's graph holds. A row holding no
+        conversation writes at the sink (its row may be taking a prompt, pack by pack)."""
+        self.kv.write_at.copy_(torch.where(self.active, self.kv.positions, self.kv.sink))
         mask = torch.where(self.key_positions[None] <= self.kv.positions[:, None], 0.0, self.masked).to(self.masked.dtype)
-        with self._step_kernels():
+        with self._kernels(self.step_kernels):
             hidden = self._layers(self.model.get_input_embeddings()(self.tokens), self.kv.positions[:, None], mask[:, None, None], self.kv,
                                   0, len(self.text.layers))
         logits = self.model.lm_head(self.text.norm(hidden))[:, -1].float()
