@@ -41,7 +41,8 @@ SPEECH_S = 0.08
 
 
 @torch.no_grad()
-def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, compiled: bool, seed: int = 0) -> tuple[OmniChat, dict[str, float]]:
+def random_omni(workdir: Path, dtype: torch.dtype, rows: int, compiled: bool, pack_tokens: int | None = None,
+                seed: int = 0) -> tuple[OmniChat, dict[str, float]]:
     """The real-size Qwen3-Omni with seeded random weights, in GPU memory; and the GiB allocated for the
     weights and, after, for the caches and graphs the chat builds (the GPU's memory plan)."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor
@@ -56,7 +57,6 @@ def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, comp
         AutoTokenizer.from_pretrained(str(workdir)).convert_tokens_to_ids(["system", "user", "assistant"]))
     ids["thinker_config"] = {**ids["thinker_config"], "user_token_id": ids["user_token_id"]}
     thinker_config = Qwen3OmniMoeThinkerConfig(**ids["thinker_config"])
-    thinker_config.text_config._experts_implementation = experts
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -72,7 +72,7 @@ def random_omni(workdir: Path, dtype: torch.dtype, rows: int, experts: str, comp
     randomize_code2wav_(code2wav, g)
     # A random talker would end its speech at a random frame: keep EOS out of reach.
     talker.codec_head.weight[ids["talker_config"]["codec_eos_token_id"]].zero_()
-    thinker = Thinker(thinker_model.eval(), ids["talker_config"]["accept_hidden_layer"], rows=rows, max_len=THINKER_MAX_SEQ)
+    thinker = Thinker(thinker_model.eval(), ids["talker_config"]["accept_hidden_layer"], rows=rows, max_len=THINKER_MAX_SEQ, pack_tokens=pack_tokens)
     weights = gib(torch.cuda.memory_allocated())  # the thinker's row caches are small beside them; the vision encoder is dropped
     tokenizer = AutoTokenizer.from_pretrained(str(workdir))
     features = WhisperFeatureExtractor(**{k: v for k, v in OMNI_FEATURE_EXTRACTOR.items() if k != "feature_extractor_type"})
@@ -169,7 +169,8 @@ def write_trace(chat: OmniChat, request: ChatRequest, path: Path) -> None:
 def markdown(report: dict) -> str:
     lines = [f"### Omni chat, random Qwen3-Omni-30B-A3B weights ({report['gpu']}, torch {report['torch']}, transformers {report['transformers']}, "
              f"{report['date']})", "", f"Command: `{report['command']}`; {report['rows']} talker rows, bf16 thinker and talker, fp32 code2wav, "
-             f"talker step {'compiled' if report['compiled'] else 'a plain CUDA graph'}, thinker step a CUDA graph; "
+             f"talker step {'compiled' if report['compiled'] else 'a plain CUDA graph'}, thinker step and packs of {report['pack_tokens']} "
+             f"prompt positions CUDA graphs; "
              f"median of {report['repeats']} replies of {report['tokens']} tokens / {report['frames']} frames.", "",
              "| message | first text token (ms) | first audio (ms) | talker frame (ms) | thinker token (ms) | p95 chunk gap (ms) | stalls |",
              "|---|---|---|---|---|---|---|"]
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=60, help="speech frames per reply (60 = 4.8 s)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--together", type=int, nargs="+", default=[4], help="conversations released at once (one run per count)")
-    parser.add_argument("--experts", default="grouped_mm", help="transformers' MoE implementation for the thinker (default grouped_mm)")
+    parser.add_argument("--pack-tokens", type=int, default=None, help="prompt positions per thinker pack (default the thinker's)")
     parser.add_argument("--no-compile", action="store_true", help="the talker's decode step as a plain CUDA graph, not torch.compile'd (as the app's --no-compile)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--trace", type=Path, default=None, help="also write a torch.profiler trace (.json.gz) of one reply here")
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        chat, memory = random_omni(Path(tmp), torch.bfloat16, args.rows, args.experts, compiled=not args.no_compile)
+        chat, memory = random_omni(Path(tmp), torch.bfloat16, args.rows, compiled=not args.no_compile, pack_tokens=args.pack_tokens)
         print(f"built in {time.perf_counter() - t0:.0f} s, memory {json.dumps(memory)}", flush=True)
         audio = spoken_message(5.0)
         requests = {
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         converse(chat, requests["short text"](99))  # warm-up: allocator, cuBLAS handles, first-call paths
         report = {
             **report_header("benchmarks.omni", argv), "transformers": transformers.__version__,
-            "rows": args.rows, "compiled": not args.no_compile, "tokens": args.tokens, "frames": args.frames, "repeats": args.repeats, "experts": args.experts,
+            "rows": args.rows, "compiled": not args.no_compile, "tokens": args.tokens, "frames": args.frames, "repeats": args.repeats, "pack_tokens": chat.thinker.pack_tokens,
             "memory": memory,
             "single": {name: median_run(chat, make, args.repeats) for name, make in requests.items()},
         }

@@ -65,6 +65,6 @@ def test_real_size_batched_thinker_is_batch_invariant():
     from benchmarks.omni import random_omni
 
     with tempfile.TemporaryDirectory() as tmp:
-        chat, _ = random_omni(Path(tmp), torch.bfloat16, rows=8, experts="grouped_mm", compiled=False)
+        chat, _ = random_omni(Path(tmp), torch.bfloat16, rows=8, compiled=False)
         for greedy in (True, False):
             check_equal_alone(chat, *(requests(8, greedy, 24, 40) for _ in range(3)))

@@ -3,7 +3,10 @@ conftest.py) and by the GPU on CUDA. Routed experts (`pipeline.kernels.experts`)
 transformers' experts forward of Qwen3-Omni's thinker, a row's output bit-identical whatever the
 other rows hold and choose, inactive rows skipped. Attention of one query per row
 (`pipeline.kernels.row_attention`): transformers' eager attention with the step's prefix mask, a
-row's output bit-identical whatever the other rows' keys and lengths, and the same on every run."""
+row's output bit-identical whatever the other rows' keys and lengths, and the same on every run.
+Attention of a prompt pack (`pack_attention`, tensor cores): each query over its own row's keys up
+to its length, as `token_attention` to rounding, a query's output bit-identical whichever queries
+share its block of the pack."""
 import pytest
 import torch
 from transformers.integrations.moe import batched_mm_experts_forward
@@ -11,7 +14,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextExperts, eager_attention_forward
 
 from pipeline.kernels.experts import routed_experts
-from pipeline.kernels.row_attention import decode_attention
+from pipeline.kernels.row_attention import PACK_BLOCK_QUERIES, decode_attention, pack_attention, token_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Sizes that do not fill the kernels' tiles, so the masked edges are exercised.
@@ -131,3 +134,43 @@ def test_decode_attention_refuses_more_than_one_query_position():
     query, key, value, lengths = _attention_inputs([3, 3], 9, torch.float32)
     with pytest.raises(ValueError, match="one query position per row"):
         decode_attention(query.expand(-1, -1, 2, -1), key, value, lengths, 0.2)
+
+
+def _pack_inputs(rows_of: list[int], lengths: list[int], seed: int, dtype: torch.dtype, cache_rows: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(len(rows_of), HEADS, HEAD_DIM, generator=g).to(DEVICE, dtype)
+    key = torch.randn(cache_rows, KV_HEADS, MAX_KEYS, HEAD_DIM, generator=g).to(DEVICE, dtype)
+    value = torch.randn(cache_rows, KV_HEADS, MAX_KEYS, HEAD_DIM, generator=g).to(DEVICE, dtype)
+    return query, key, value, torch.tensor(rows_of, device=DEVICE), torch.tensor(lengths, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+def test_pack_attention_matches_eager_attention_over_each_querys_row(dtype):
+    """Queries of three rows in one block and across blocks (a prompt's positions, then another's), lengths
+    over one, two and three blocks of keys."""
+    rows_of = [2] * 5 + [0] * 40 + [1] * 3
+    lengths = list(range(96, 101)) + list(range(1, 41)) + [150, 64, 65]
+    query, key, value, rows, lengths = _pack_inputs(rows_of, lengths, 10, dtype)
+    expected, _ = eager_attention_forward(_Grouped(), query[:, :, None], key[rows], value[rows], _prefix_mask(lengths, dtype),
+                                          scaling=HEAD_DIM ** -0.5)
+    ours = pack_attention(query, key, value, rows, lengths, HEAD_DIM ** -0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ours.shape == (len(rows_of), HEADS, HEAD_DIM) and expected.shape == (len(rows_of), 1, HEADS, HEAD_DIM)
+    assert torch.allclose(ours.float(), expected[:, 0].float(), atol=tolerance, rtol=tolerance), (ours.float() - expected[:, 0].float()).abs().max()
+    assert torch.allclose(ours.float(), token_attention(query, key, value, rows, lengths, HEAD_DIM ** -0.5).float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+def test_a_pack_querys_output_does_not_depend_on_the_queries_beside_it(dtype):
+    """Query 0 (row 1, 70 keys) alone, first of a block of other rows' queries with longer lengths, and
+    last of a block: bit-identical, and the same on every run."""
+    query, key, value, rows, lengths = _pack_inputs([1], [70], 11, dtype)
+    others, _, _, other_rows, other_lengths = _pack_inputs([0, 2, 1, 0] * 10, [150, 3, 120, 99] * 10, 12, dtype)
+    alone = pack_attention(query, key, value, rows, lengths, 0.2)
+    first = pack_attention(torch.cat([query, others]), key, value, torch.cat([rows, other_rows]), torch.cat([lengths, other_lengths]), 0.2)
+    place = PACK_BLOCK_QUERIES - 1
+    last = pack_attention(torch.cat([others[:place], query, others[place:]]), key, value, torch.cat([other_rows[:place], rows, other_rows[place:]]),
+                          torch.cat([other_lengths[:place], lengths, other_lengths[place:]]), 0.2)
+    assert torch.equal(alone[0], first[0]) and torch.equal(alone[0], last[place])
+    assert torch.equal(first, pack_attention(torch.cat([query, others]), key, value, torch.cat([rows, other_rows]),
+                                             torch.cat([lengths, other_lengths]), 0.2))

@@ -22,7 +22,7 @@ routed experts: a grouped GEMM picks its tiles by the tokens each expert gets, s
 runs `pipeline.kernels.grouped_experts` (fixed tiles) and the step `pipeline.kernels.experts`
 (each row's own products, skipping rows that hold no conversation); on the CPU both run
 `batched_mm`, a product per (token, expert) pair. Attention: every query attends over its own
-row's cached keys, through `pipeline.kernels.row_attention` on CUDA (PyTorch's SDPA over a long
+row's cached keys, through `pipeline.kernels.row_attention` on CUDA (`pack_attention` for a pack) (PyTorch's SDPA over a long
 masked key range is not reproducible from run to run there) and SDPA over the gathered rows on the
 CPU. These are registered with transformers' experts and attention interfaces and chosen for the
 pack and the step alone. On CUDA the step and the pack's two halves (split at the layer the talker
@@ -107,9 +107,9 @@ def _pack_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     """transformers' attention function for a pack: query [1, H, T, D], key and value the layer's whole
     cache [rows, Hkv, positions, D]; position t attends to the first `token_lengths[t]` keys of row
     `token_rows[t]` (its prompt's keys up to itself, this pack's included: they are written first)."""
-    from pipeline.kernels.row_attention import token_attention
+    from pipeline.kernels.row_attention import pack_attention
 
-    return token_attention(query[0].transpose(0, 1), key, value, token_rows, token_lengths, scaling)[None], None
+    return pack_attention(query[0].transpose(0, 1), key, value, token_rows, token_lengths, scaling)[None], None
 
 
 def _pack_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -362,10 +362,6 @@ class Thinker:
             raise CheckpointError(f"The thinker in {directory} cannot be loaded: {' '.join(str(exc).split())}") from None
         finally:
             hf_logging.set_verbosity(verbosity)
-        if device.type == "cuda":
-            # Routed experts without a host sync, so that the step can be a graph: grouped GEMMs with
-            # device-side offsets in bf16; in float32 torch's grouped GEMM copies from the host, so gathered weights.
-            model.config.text_config._experts_implementation = "grouped_mm" if dtype == torch.bfloat16 else "batched_mm"
         return cls(model.to(device).eval(), accept_hidden_layer, **options)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
