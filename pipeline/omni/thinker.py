@@ -64,7 +64,7 @@ from pipeline.omni.conversation import ThinkerInputs
 log = logging.getLogger(__name__)
 # Prompt positions a pack takes: on CUDA the experts' weights are read once for all of them (a short
 # message is ~60), on the CPU the attention gathers each position's row.
-PACK_TOKENS = {"cuda": 512, "cpu": 64}
+PACK_TOKENS = {"cuda": 1024, "cpu": 64}
 # The transformers releases the driver is tested on (both ends included); requirements.txt allows these.
 SUPPORTED_TRANSFORMERS = ("5.15.1", "5.24.0")
 _END = object()  # a reply's last item: the thinker wrote its last token
