@@ -62,8 +62,9 @@ from pipeline.model import known_fields
 from pipeline.omni.conversation import ThinkerInputs
 
 log = logging.getLogger(__name__)
-# Prompt positions a pack takes: on CUDA the experts' weights are read once for all of them (a short
-# message is ~60), on the CPU the attention gathers each position's row.
+# Prompt positions a pack takes. On CUDA the experts' weights are read once for all of them: 1024 hold
+# eight short messages (~70 positions each with the system prompt) and cost one alone about what 512
+# do (docs/BENCHMARKS.md). On the CPU the attention gathers each position's row.
 PACK_TOKENS = {"cuda": 1024, "cpu": 64}
 # The transformers releases the driver is tested on (both ends included); requirements.txt allows these.
 SUPPORTED_TRANSFORMERS = ("5.15.1", "5.24.0")
