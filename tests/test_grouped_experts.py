@@ -6,27 +6,13 @@ choose and where it sits; inactive rows zero and without effect on the others.""
 import pytest
 import torch
 from transformers.integrations.moe import batched_mm_experts_forward
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextExperts
 
 from pipeline.kernels.grouped_experts import BLOCK_M, grouped_experts, tile_plan
+from tests.test_thinker_kernels import DEVICE, EXPERTS, HIDDEN, TOP_K, _experts
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Sizes that do not fill the kernels' tiles, so the masked edges are exercised.
-HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 72, 40, 9, 3
 TOKENS = BLOCK_M + 16  # every token chooses expert 0 (below): its pairs take two tiles
 UNCHOSEN = EXPERTS - 1
-
-
-def _experts(dtype: torch.dtype) -> Qwen3OmniMoeThinkerTextExperts:
-    config = Qwen3OmniMoeThinkerConfig(text_config=dict(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, num_experts=EXPERTS,
-                                                        num_experts_per_tok=TOP_K)).text_config
-    experts = Qwen3OmniMoeThinkerTextExperts(config).to(DEVICE, dtype)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.2)
-        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.2)
-    return experts
 
 
 def _routing(tokens: int, seed: int, dtype: torch.dtype, all_choose_0: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -115,11 +115,7 @@ def token_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """query [N, H, D] (N queries), key and value [B, Hkv, L, D] (H a multiple of Hkv: grouped-query heads),
     rows and lengths [N] (query n attends to keys 0..lengths[n]-1 of row rows[n], at least one) -> [N, H, D]
     in query's dtype."""
-    tokens, heads, dim = query.shape
-    kv_heads, max_keys = key.shape[1], key.shape[2]
-    if heads % kv_heads or value.shape != key.shape or key.shape[3] != dim:
-        raise ValueError(f"token_attention takes grouped heads over one cache; got query {tuple(query.shape)}, "
-                         f"key {tuple(key.shape)}, value {tuple(value.shape)}.")
+    tokens, heads, dim, kv_heads, max_keys = _shapes("token_attention", query, key, value)
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
     _token_attention_kernel[(tokens, heads)](query, key, value, rows.contiguous(), lengths.contiguous(), out, float(scaling), heads, kv_heads,
@@ -131,11 +127,7 @@ def pack_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    scaling: float) -> torch.Tensor:
     """`token_attention`'s result (to rounding) for many queries on tensor cores: query [N, H, D], key and value
     [B, Hkv, L, D], rows and lengths [N] -> [N, H, D] in query's dtype."""
-    tokens, heads, dim = query.shape
-    kv_heads, max_keys = key.shape[1], key.shape[2]
-    if heads % kv_heads or value.shape != key.shape or key.shape[3] != dim:
-        raise ValueError(f"pack_attention takes grouped heads over one cache; got query {tuple(query.shape)}, "
-                         f"key {tuple(key.shape)}, value {tuple(value.shape)}.")
+    tokens, heads, dim, kv_heads, max_keys = _shapes("pack_attention", query, key, value)
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"  # float32 stays float32; half-precision products are exact
@@ -143,3 +135,13 @@ def pack_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         query, key, value, rows.contiguous(), lengths.contiguous(), out, float(scaling), tokens, heads, kv_heads, max_keys, dim,
         BLOCK_Q=PACK_BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, BLOCK_D=max(16, triton.next_power_of_2(dim)), PRECISION=precision)
     return out
+
+
+def _shapes(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(queries, heads, head dim, KV heads, cache positions) of queries [N, H, D] over a cache [B, Hkv, L, D]."""
+    tokens, heads, dim = query.shape
+    kv_heads, max_keys = key.shape[1], key.shape[2]
+    if heads % kv_heads or value.shape != key.shape or key.shape[3] != dim:
+        raise ValueError(f"{name} takes grouped heads over one cache; got query {tuple(query.shape)}, "
+                         f"key {tuple(key.shape)}, value {tuple(value.shape)}.")
+    return tokens, heads, dim, kv_heads, max_keys
