@@ -22,9 +22,9 @@ routed experts: a grouped GEMM picks its tiles by the tokens each expert gets, s
 runs `pipeline.kernels.grouped_experts` (fixed tiles) and the step `pipeline.kernels.experts`
 (each row's own products, skipping rows that hold no conversation); on the CPU both run
 `batched_mm`, a product per (token, expert) pair. Attention: every query attends over its own
-row's cached keys, through `pipeline.kernels.row_attention` on CUDA (`pack_attention` for a pack) (PyTorch's SDPA over a long
-masked key range is not reproducible from run to run there) and SDPA over the gathered rows on the
-CPU. These are registered with transformers' experts and attention interfaces and chosen for the
+row's cached keys, through `pipeline.kernels.row_attention` on CUDA (PyTorch's SDPA over a long
+masked key range is not reproducible from run to run there; a pack's queries on tensor cores) and
+SDPA over the gathered rows on the CPU. These are registered with transformers' experts and attention interfaces and chosen for the
 pack and the step alone. On CUDA the step and the pack's two halves (split at the layer the talker
 reads) are graphs: in eager PyTorch the 48-layer MoE model is thousands of small launches.
 
