@@ -173,3 +173,36 @@ def test_the_packs_and_steps_cuda_kernels_compute_what_transformers_kernels_comp
     hook.remove()
     for ours, expected in zip(results["cuda"], results["cpu"]):
         assert expected.std() > 0.1 and torch.allclose(ours, expected, atol=1e-4, rtol=1e-4), (ours - expected).abs().max()
+
+
+def test_a_talker_that_refuses_one_reply_ends_that_one_alone(tiny_omni, monkeypatch):
+    """Two prompts in one pack, the talker refusing the first one's speech (its queue full): that reply raises
+    the engine's one sentence and its row is free again; the other, in the same pack, is served in full."""
+    from pipeline.errors import EngineBusy
+
+    chat = OmniChat.from_pretrained(str(tiny_omni), rows=2, max_queue=0)
+    thinker = chat.thinker
+    started: list[ThinkerReply] = []
+    start = thinker.start
+    monkeypatch.setattr(thinker, "start", lambda *args, **kwargs: started.append(start(*args, **kwargs)) or started[-1])
+    refusals: list[EngineBusy] = []
+
+    def speak() -> None:
+        try:
+            chat.reply(ChatRequest([Turn("user", MESSAGES[0])], greedy=True, max_new_tokens=8, max_frames=8))
+        except EngineBusy as exc:
+            refusals.append(exc)
+
+    spoken = threading.Thread(target=speak)
+    with thinker.lock:  # both waiting before the scheduler's next pack
+        spoken.start()
+        with thinker.changed:
+            assert thinker.changed.wait_for(lambda: len(thinker.waiting) == 1, HANG_GUARD_S)
+        text = Listener(chat, ChatRequest([Turn("user", MESSAGES[1])], greedy=True, max_new_tokens=5, speak=False))
+        with thinker.changed:
+            assert thinker.changed.wait_for(lambda: len(thinker.waiting) == 2, HANG_GUARD_S)
+    spoken.join(HANG_GUARD_S)
+    assert [str(exc) for exc in refusals] == ["The server is busy: 0 requests ahead; try again shortly."]
+    reply = text.end()
+    assert len(reply.tokens) == 5 and not reply.stopped
+    assert [r.written for r in started] == [0, 5] and not thinker.running and not thinker.prefilling

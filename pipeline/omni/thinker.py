@@ -197,7 +197,7 @@ class PackKV:
         return self.kv.keys[layer_idx], self.kv.values[layer_idx]
 
 
-@dataclass
+@dataclass(eq=False)  # a live conversation: compared and hashed by identity
 class ThinkerReply:
     """One conversation's reply as the thinker writes it: iterate for its token ids (the first as
     soon as the prompt is through). The iteration ends after `max_new_tokens` tokens, after the
@@ -439,20 +439,26 @@ class Thinker:
         """The next pack of the prompts in their rows; a prompt that ends in it gets its first reply token and starts running."""
         packed = self._fill_pack(self.prefilling)
         try:
-            picked = self._pack_through(packed)
+            picked, refused = self._pack_through(packed)
         except Exception as exc:  # noqa: BLE001 - each conversation's reader raises it
             log.exception("omni thinker prefill failed")
             for reply, _, _ in packed:
-                self.prefilling.remove(reply)
-                reply.tokens.put(exc)
-                self._leave(reply.row)
+                self._drop(reply, exc)
             return
         for reply, first, count in packed:
             reply.prefilled = first + count
-            if reply.prefilled == reply.length:
+            if reply in refused:
+                self._drop(reply, refused[reply])
+            elif reply.prefilled == reply.length:
                 self.prefilling.remove(reply)
                 self.running[reply.row] = reply
                 self._deliver(reply.row, reply, picked[reply.row])
+
+    def _drop(self, reply: ThinkerReply, error: BaseException) -> None:
+        """A prompt's conversation ends with `error` (its reader raises it); its row is free again."""
+        self.prefilling.remove(reply)
+        reply.tokens.put(error)
+        self._leave(reply.row)
 
     def _deliver(self, row: int, reply: ThinkerReply, token: int) -> None:
         reply.written += 1
@@ -519,29 +525,33 @@ class Thinker:
         self.pack_last.copy_(last)
         return packed
 
-    def _pack_through(self, packed: list[tuple[ThinkerReply, int, int]]) -> list[int]:
+    def _pack_through(self, packed: list[tuple[ThinkerReply, int, int]]) -> tuple[list[int], dict[ThinkerReply, Exception]]:
         """The filled pack through the model: the lower layers, each prompt's share of their output kept and
         handed on once its prompt is complete, the upper layers; every row's pick from its prompt's last position
-        (used for the rows whose prompt ended in the pack: they start running here)."""
+        (used for the rows whose prompt ended in the pack: they start running here). Also the prompts whose
+        `on_accept_layer` raised, with its error: those alone end (the talker may refuse one conversation)."""
         lower = self.pack_lower()
-        offset = 0
+        offset, refused = 0, {}
         for reply, first, count in packed:
             if reply.accept_hidden is not None:
                 reply.accept_hidden[first:first + count].copy_(lower[0, offset:offset + count])
                 if first + count == reply.length:
-                    reply.on_accept_layer(reply.embeds[0], reply.accept_hidden)
+                    try:
+                        reply.on_accept_layer(reply.embeds[0], reply.accept_hidden)
+                    except Exception as exc:  # noqa: BLE001 - the conversation's reader raises it
+                        refused[reply] = exc
             offset += count
         picked = self.pack_upper()
         ending = torch.zeros(self.rows, dtype=torch.bool)
         for reply, first, count in packed:
-            if first + count == reply.length:
+            if first + count == reply.length and reply not in refused:
                 ending[reply.row] = True
                 self.kv.positions[reply.row] = reply.length
         ending = ending.to(self.device)
         self.tokens[:, 0] = torch.where(ending, picked, self.tokens[:, 0])
         self.active |= ending
         self._commit(picked, ending)
-        return self._to_host(picked)
+        return self._to_host(picked), refused
 
     def _pack_layers(self, first: int, last: int) -> torch.Tensor:
         """Layers first..last-1 over the whole pack (what a pack graph holds), keys and values written into the
