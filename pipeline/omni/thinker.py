@@ -415,9 +415,7 @@ class Thinker:
         for reply, row in admitted:
             self._take_row(reply, row)
         for reply in [r for r in self.prefilling if r.stop.is_set()]:
-            self.prefilling.remove(reply)
-            reply.tokens.put(_END)
-            self._leave(reply.row)
+            self._drop(reply, _END)
         if self.prefilling:
             self._pack()
 
@@ -454,10 +452,11 @@ class Thinker:
                 self.running[reply.row] = reply
                 self._deliver(reply.row, reply, picked[reply.row])
 
-    def _drop(self, reply: ThinkerReply, error: BaseException) -> None:
-        """A prompt's conversation ends with `error` (its reader raises it); its row is free again."""
+    def _drop(self, reply: ThinkerReply, last: object) -> None:
+        """A conversation still taking its prompt ends with `last` (an error its reader raises, or the end of
+        the reply); its row is free again."""
         self.prefilling.remove(reply)
-        reply.tokens.put(error)
+        reply.tokens.put(last)
         self._leave(reply.row)
 
     def _deliver(self, row: int, reply: ThinkerReply, token: int) -> None:
