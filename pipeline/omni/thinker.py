@@ -290,14 +290,13 @@ class Thinker:
         self.picked_ready = torch.cuda.Event() if cuda else None
 
     def _pack_state(self, hidden: int, dtype: torch.dtype) -> None:
-        """The buffers a pack reads: its positions' input embeddings, rope positions, rows and key counts; and
+        """The buffers a pack reads: its positions' input embeddings, positions (rope and key counts) and rows; and
         each row's last prompt position in the pack (where its first reply token comes from) if its prompt ends there."""
         tokens, device = self.pack_tokens, self.device
         self.pack_in = torch.zeros(1, tokens, hidden, dtype=dtype, device=device)
         self.pack_mid = torch.zeros_like(self.pack_in)
         self.pack_kv = PackKV(self.kv, tokens)
         self.pack_positions = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.pack_lengths = torch.ones(tokens, dtype=torch.long, device=device)
         self.pack_used = torch.zeros(tokens, dtype=torch.bool, device=device)
         self.pack_last = torch.zeros(self.rows, dtype=torch.long, device=device)
         for experts in self.experts:
@@ -519,7 +518,6 @@ class Thinker:
         self.pack_kv.rows.copy_(rows)
         self.pack_kv.write_at.copy_(write_at)
         self.pack_positions.copy_(positions)
-        self.pack_lengths.copy_(positions + 1)
         self.pack_used.copy_(torch.arange(tokens) < used)
         self.pack_last.copy_(last)
         return packed
@@ -559,7 +557,7 @@ class Thinker:
         hidden = self.pack_in if first == 0 else self.pack_mid
         with self._kernels(self.pack_kernels):
             hidden = self._layers(hidden, self.pack_positions[None], None, self.pack_kv, first, last,
-                                  token_rows=self.pack_kv.rows, token_lengths=self.pack_lengths)
+                                  token_rows=self.pack_kv.rows, token_lengths=self.pack_positions + 1)
         if last < len(self.text.layers):
             self.pack_mid.copy_(hidden)
             return self.pack_mid
