@@ -301,6 +301,8 @@ class _Turn:
     def __init__(self, chat: OmniChat, prepared: _Prepared, events: queue.Queue, stop: threading.Event, started: float):
         self.chat, self.prepared, self.events, self.stop, self.started = chat, prepared, events, stop, started
         self.handle: Handle | None = None
+        self.speech_submitted = threading.Event()  # _start_speech has run (on the thinker's hand-off thread)
+        self.speech_error: BaseException | None = None
         self.forward: threading.Thread | None = None  # hands the row's audio to the events
         self.lock = threading.Lock()
         self.tokens: list[int] = []
@@ -318,6 +320,8 @@ class _Turn:
             self._finish()
         except BaseException as exc:  # noqa: BLE001 - the consumer raises it
             log.exception("omni chat turn failed")
+            self.stop.set()  # the thinker lets the reply go; a talker row submitted later closes at once
+            self.close()
             self.events.put(exc)
 
     def close(self) -> None:
@@ -346,6 +350,10 @@ class _Turn:
             return
         self.first_text_ms = self._elapsed()
         self._add_token(token)
+        if prepared.speak:  # the thinker handed the talker's prompt over before this token
+            self.speech_submitted.wait()
+            if self.speech_error is not None:
+                raise self.speech_error
         if token == chat.im_end or self.stop.is_set():
             if token == chat.im_end:
                 self.warnings.append("The model ended its reply before writing anything.")
@@ -368,7 +376,16 @@ class _Turn:
 
     def _start_speech(self, embeds: torch.Tensor, hidden: torch.Tensor) -> None:
         """Submit the talker's row with its prompt but the last position: the user turns (from the
-        thinker's input embeddings and layer-accept states) and the first 8 assistant positions."""
+        thinker's input embeddings and layer-accept states) and the first 8 assistant positions.
+        On the thinker's hand-off thread: an error goes to the turn, which raises it."""
+        try:
+            self._submit_speech(embeds, hidden)
+        except BaseException as exc:  # noqa: BLE001
+            self.speech_error = exc
+        finally:
+            self.speech_submitted.set()
+
+    def _submit_speech(self, embeds: torch.Tensor, hidden: torch.Tensor) -> None:
         chat, prepared = self.chat, self.prepared
         talker, ids = chat.talker, chat.ids
         dtype = talker.codec_head.weight.dtype

@@ -28,6 +28,13 @@ SDPA over the gathered rows on the CPU. These are registered with transformers' 
 pack and the step alone. On CUDA the step and the pack's two halves (split at the layer the talker
 reads) are graphs: in eager PyTorch the 48-layer MoE model is thousands of small launches.
 
+Streams and threads: the scheduler runs its work on a CUDA stream of its own, so what the callers'
+threads put on theirs (a new prompt's embeddings and audio encoder, the talker's text projections
+of each token) runs beside the thinker's graphs rather than queued behind them. A prompt's
+`on_accept_layer` runs on a hand-off thread (and stream) once the pack's lower layers are done:
+the talker's prompt is built there while the upper layers run, and whatever it waits for (its
+host copies wait for their stream) never holds up the scheduler.
+
 Memory: a row is its KV cache, 2 x layers x KV heads x (`max_len` + 1) x head_dim elements (0.28 GiB
 in bf16 at the released size and 3054 positions), and a flag per vocabulary id; the step's working
 memory lives in the graph pool that the pack's graphs already hold. pipeline.memory_plan
@@ -47,6 +54,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -212,6 +220,7 @@ class ThinkerReply:
     stop_token: int
     stop: threading.Event
     on_accept_layer: Callable[[torch.Tensor, torch.Tensor], None] | None
+    ready: "torch.cuda.Event | None" = None  # recorded after `embeds` on the caller's stream (None on the CPU)
     tokens: queue.Queue = field(default_factory=queue.Queue)
     written: int = 0  # tokens written so far (the scheduler's count)
     row: int = -1  # the row it holds, from its prompt's first pack
@@ -268,6 +277,9 @@ class Thinker:
         self.pack_upper = CUDAGraphed(partial(self._pack_layers, accept_hidden_layer, config.num_hidden_layers), graphs,
                                       shared=self.graph_pool)
         self.lock = threading.Lock()  # the model's buffers: the scheduler's work, or a capture
+        self.stream = torch.cuda.Stream(self.device) if graphs else None  # the scheduler's work
+        self.handoff = ThreadPoolExecutor(1, thread_name_prefix="thinker-handoff")  # on_accept_layer, in order
+        self.handoff_stream = torch.cuda.Stream(self.device) if graphs else None
         self.changed = threading.Condition()
         self.waiting: list[ThinkerReply] = []  # in arrival order, no row yet
         self.prefilling: list[ThinkerReply] = []  # in arrival order, each in its row, its prompt part way through
@@ -374,15 +386,15 @@ class Thinker:
     def start(self, inputs: ThinkerInputs, sampling: ThinkerSampling, seed: int, max_new_tokens: int, stop_token: int,
               stop: threading.Event, on_accept_layer: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> ThinkerReply:
         """Queue a conversation for a row; its reply comes as the scheduler writes it. `on_accept_layer(embeds,
-        hidden)` is called (on the scheduler's thread) as soon as the prompt's layer `accept_hidden_layer` is
-        done, before the layers above it run over its last pack (what the talker's prompt needs is known by
-        then, and its prefill overlaps theirs). The audio encoder runs here, on the caller's thread, not in the
-        others' way."""
+        hidden)` is called (on the thinker's hand-off thread, its tensors ready on that thread's current stream)
+        as soon as the prompt's layer `accept_hidden_layer` is done, while the layers above it run over its last
+        pack (what the talker's prompt needs is known by then, and its prefill overlaps theirs); it handles its
+        own errors. The audio encoder runs here, on the caller's thread and stream, not in the others' way."""
         length = inputs.input_ids.shape[1]
         if length + max_new_tokens - 1 > self.max_len:
             raise ValueError(f"The thinker's cache holds {self.max_len} positions; a prompt of {length} and a reply of {max_new_tokens} do not fit.")
         reply = ThinkerReply(inputs, self._input_embeds(inputs.input_ids.to(self.device), inputs.features), sampling, seed, max_new_tokens,
-                             stop_token, stop, on_accept_layer)
+                             stop_token, stop, on_accept_layer, ready=self._recorded())
         with self.changed:
             self.waiting.append(reply)
             if self.scheduler is None:
@@ -391,12 +403,26 @@ class Thinker:
             self.changed.notify()
         return reply
 
+    def _recorded(self) -> "torch.cuda.Event | None":
+        """An event on the current stream (None on the CPU): another stream waits for it before reading what was made before it."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _on_stream(self, stream: "torch.cuda.Stream | None"):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
     def _run(self) -> None:
         """The scheduler: one pack of the waiting prompts, then one step of the running replies; sleep when there is nothing to do."""
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+            self.stream.wait_stream(torch.cuda.default_stream(self.device))  # the graphs' capture and warm-up
         while True:
             with self.changed:
                 self.changed.wait_for(lambda: self.waiting or self.prefilling or self.running)
-            with self.lock, torch.inference_mode():
+            with self.lock, torch.inference_mode(), self._on_stream(self.stream):
                 self._admit()
                 self._drop_stopped()
                 if self.running:
@@ -421,6 +447,10 @@ class Thinker:
     def _take_row(self, reply: ThinkerReply, row: int) -> None:
         """`row` ready for `reply`: its sampling settings, its seed's draws from the start, its prompt's ids seen."""
         reply.row = row
+        if reply.ready is not None:  # its embeddings were made on the caller's stream
+            torch.cuda.current_stream().wait_event(reply.ready)
+            reply.embeds.record_stream(torch.cuda.current_stream())
+            reply.embeds.record_stream(self.handoff_stream)
         sampling = reply.sampling
         self.settings.set_row(row, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p)
         self.penalty[row] = sampling.repetition_penalty if sampling.do_sample else 1.0
@@ -436,7 +466,7 @@ class Thinker:
         """The next pack of the prompts in their rows; a prompt that ends in it gets its first reply token and starts running."""
         packed = self._fill_pack(self.prefilling)
         try:
-            picked, refused = self._pack_through(packed)
+            picked = self._pack_through(packed)
         except Exception as exc:  # noqa: BLE001 - each conversation's reader raises it
             log.exception("omni thinker prefill failed")
             for reply, _, _ in packed:
@@ -444,9 +474,7 @@ class Thinker:
             return
         for reply, first, count in packed:
             reply.prefilled = first + count
-            if reply in refused:
-                self._drop(reply, refused[reply])
-            elif reply.prefilled == reply.length:
+            if reply.prefilled == reply.length:
                 self.prefilling.remove(reply)
                 self.running[reply.row] = reply
                 self._deliver(reply.row, reply, picked[reply.row])
@@ -522,33 +550,41 @@ class Thinker:
         self.pack_last.copy_(last)
         return packed
 
-    def _pack_through(self, packed: list[tuple[ThinkerReply, int, int]]) -> tuple[list[int], dict[ThinkerReply, Exception]]:
+    def _pack_through(self, packed: list[tuple[ThinkerReply, int, int]]) -> list[int]:
         """The filled pack through the model: the lower layers, each prompt's share of their output kept and
         handed on once its prompt is complete, the upper layers; every row's pick from its prompt's last position
-        (used for the rows whose prompt ended in the pack: they start running here). Also the prompts whose
-        `on_accept_layer` raised, with its error: those alone end (the talker may refuse one conversation)."""
+        (used for the rows whose prompt ended in the pack: they start running here)."""
         lower = self.pack_lower()
-        offset, refused = 0, {}
+        offset = 0
         for reply, first, count in packed:
             if reply.accept_hidden is not None:
                 reply.accept_hidden[first:first + count].copy_(lower[0, offset:offset + count])
                 if first + count == reply.length:
-                    try:
-                        reply.on_accept_layer(reply.embeds[0], reply.accept_hidden)
-                    except Exception as exc:  # noqa: BLE001 - the conversation's reader raises it
-                        refused[reply] = exc
+                    self.handoff.submit(self._hand_off, reply, self._recorded())
             offset += count
         picked = self.pack_upper()
         ending = torch.zeros(self.rows, dtype=torch.bool)
         for reply, first, count in packed:
-            if first + count == reply.length and reply not in refused:
+            if first + count == reply.length:
                 ending[reply.row] = True
                 self.kv.positions[reply.row] = reply.length
         ending = ending.to(self.device)
         self.tokens[:, 0] = torch.where(ending, picked, self.tokens[:, 0])
         self.active |= ending
         self._commit(picked, ending)
-        return self._to_host(picked), refused
+        return self._to_host(picked)
+
+    def _hand_off(self, reply: ThinkerReply, lower_done: "torch.cuda.Event | None") -> None:
+        """`reply.on_accept_layer` on the hand-off thread and stream, once the pack's lower layers are done
+        (its errors are its own: the talker's side reports them to its conversation)."""
+        try:
+            with torch.inference_mode(), self._on_stream(self.handoff_stream):
+                if lower_done is not None:
+                    torch.cuda.current_stream().wait_event(lower_done)
+                    reply.accept_hidden.record_stream(torch.cuda.current_stream())
+                reply.on_accept_layer(reply.embeds[0], reply.accept_hidden)
+        except Exception:  # noqa: BLE001 - a failure here must not stop the thinker's scheduler
+            log.exception("omni thinker hand-off failed")
 
     def _pack_layers(self, first: int, last: int) -> torch.Tensor:
         """Layers first..last-1 over the whole pack (what a pack graph holds), keys and values written into the
