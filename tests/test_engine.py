@@ -29,9 +29,10 @@ def wait_until(condition, what: str) -> None:
 
 def run_frames(engine, frames: int = 3) -> None:
     """Return once the engine's loop has launched `frames` more decode steps (and so read at least
-    `frames - 1` of them): a row that could make a frame has made one by then."""
+    `frames - 1` of them), or waits with no row able to make a frame: a row that could make a frame
+    has made one by then."""
     target = engine.iteration + frames
-    wait_until(lambda: engine.iteration >= target, "the engine's loop stopped running frames")
+    wait_until(lambda: engine.iteration >= target or engine.parked, "the engine's loop stopped running frames")
 
 
 def frames_made(engine, handle) -> int:
@@ -166,6 +167,25 @@ def test_prompt_given_in_two_parts_equals_the_whole_prompt(models, awaits):
         handle.finish_prompt(segment.prompt[:, -awaits - 1:])
     handle.finish_prompt(rest)
     assert torch.equal(finish(handle)[0], expected)
+
+
+def test_no_step_runs_while_every_row_waits_for_text(models, voices):
+    """A row out of text parks the loop: woken with nothing new it parks again without a step; the
+    next text runs it on from where it was."""
+    tts = models["base"]
+    engine = tts.engine
+    handle = engine.submit(held_row(tts, voices["xvec"]))
+    events = handle.events()
+    next(events)  # its one frame of text spoken
+    wait_until(lambda: engine.parked, "the loop kept running with no text to speak")
+    steps, parks = engine.iteration, engine.parks
+    with engine.lock:
+        engine.wake.notify()  # a wake-up that brings nothing
+    wait_until(lambda: engine.parks > parks, "the loop did not park again")
+    assert engine.iteration == steps and frames_made(engine, handle) == 1
+    handle.append_text(held_row(tts, voices["xvec"]).segments[0].trailing, end=True)
+    wait_until(lambda: frames_made(engine, handle) > 1, "the text that came did not run the row")
+    handle.close()
 
 
 def held_row(tts: TTS, voice):

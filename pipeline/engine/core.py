@@ -6,7 +6,9 @@ pipeline/engine/scheduler.py's; this file carries it out on the devices.
 Each loop iteration: apply commands (cancel, more text, the rest of a prompt), ask the scheduler
 which waiting requests to admit (their prefill runs between two frames), launch one decode step for
 every row, then read the previous step's codes (pinned host buffers, double-buffered) while the GPU
-works on this one and hand them to the scheduler. A chunk it cuts is vocoded on the vocoder's own
+works on this one and hand them to the scheduler. No step is launched while no row can make a
+frame (each waits for text, as Omni's talker for the thinker's next token, or for the rest of its
+prompt): the loop parks until a command comes, and the GPU is the others' meanwhile. A chunk it cuts is vocoded on the vocoder's own
 CUDA streams (lanes), overlapping the next decode steps: one row per call, or the steady chunks of
 several rows in one batched call, where a row's audio does not depend on its neighbours either; a
 delivery thread per lane hands each chunk to its listener as soon as its audio is on the host (a
@@ -313,6 +315,8 @@ class Engine:
         self.outboxes: list[queue.Queue] = [queue.Queue() for _ in range(lanes)]
         self.closing = False
         self.iteration = 0
+        self.parked = False  # the loop waits for a command while its rows wait for text
+        self.parks = 0  # times it has parked
         self._allocate_buffers()
         # Capture now, every row idle: a capture's warm-up runs would advance live rows.
         capture_all(decoder.captures() + vocoder.captures(), progress)
@@ -453,9 +457,11 @@ class Engine:
                         break
                     for admission in schedule.admitted:
                         self._admit(admission)
-                    launch = self._launch(schedule) if any(epoch is not None for epoch in schedule.running) else None
+                    launch = self._launch(schedule) if self._can_run() else None
                     if inflight is not None:
                         self._collect(inflight)
+                    elif launch is None and self.scheduler.held:
+                        self._flush_held()
                     inflight = launch
                 except Exception as exc:  # a broken step: fail the requests in flight, keep serving
                     log.exception("engine step failed")
@@ -474,7 +480,8 @@ class Engine:
 
     def _next_work(self, busy: bool) -> Schedule:
         """Apply commands, then the scheduler's admissions (all it can while idle, a few between frames so
-        that the running rows are not stalled). Blocks while there is nothing to do."""
+        that the running rows are not stalled). Blocks while there is nothing to do: no row, or none that
+        can make a frame (and no held chunk to vocode)."""
         with self.lock:
             while True:
                 commands, self.commands = self.commands, []
@@ -482,9 +489,23 @@ class Engine:
                     self._apply(command)
                 schedule = self.scheduler.schedule(time.perf_counter())
                 self._announce(schedule.positions)
-                if schedule.admitted or any(self.scheduler.rows) or busy or self.closing:
+                if schedule.admitted or busy or self.closing or self.scheduler.held or self._can_run():
                     return schedule
+                self.scheduler.pause()
+                self.parked, self.parks = True, self.parks + 1
                 self.wake.wait()
+                self.parked = False
+
+    def _can_run(self) -> bool:
+        """Whether a step would make a frame: a row whose prompt is in has the text for its next frame (its
+        frames made so far, without the step in flight: a step that turns out idle is possible, a skipped
+        one that was needed is not)."""
+        return any(state is not None and self.decoder.may_run(row, state.frames) for row, state in enumerate(self.scheduler.rows))
+
+    def _flush_held(self) -> None:
+        with self.lock:
+            actions = self.scheduler.flush_held()
+        self._carry_out(actions)
 
     def _apply(self, command: Command) -> None:
         """Carry out a caller's command (under the lock, on the loop thread)."""

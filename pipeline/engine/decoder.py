@@ -158,6 +158,8 @@ class BatchDecoder:
         self.trailing = zeros(rows, max_seq, config.hidden_size, dtype=dtype)  # text fed with frame k
         self.text_len = zeros(rows)
         self.text_len_host = [0] * rows  # the same, known without a device sync
+        self.text_end_host = [False] * rows  # text_end, known without a device sync
+        self.prompt_in = [False] * rows  # the row's whole prompt is prefilled: it runs once it has text
         self.text_end = zeros(rows, dtype=torch.bool)  # no more text will come: pad after text_len
         self.penalty = torch.ones(rows, device=device)
         self.talker_sampling = RowSampling.zeros(rows, device)
@@ -262,6 +264,7 @@ class BatchDecoder:
         # copies a host scalar tensor in and waits for the stream to drain, so an admission would
         # wait for the frame in flight, 17 times over.
         self.occupied[row] = True
+        self.prompt_in[row] = False
         self.seed_hash[row].fill_(int(mix32(torch.tensor(seed & M32))))
         self.seen[row].fill_(False)
         self.frame[row].fill_(0)
@@ -298,6 +301,7 @@ class BatchDecoder:
         self.token[row] = token[0]
         self.code_predictor_input[row, 1] = self.talker.model.codec_embedding(token[0])
         self.active[row].fill_(True)
+        self.prompt_in[row] = True
 
     def append_text(self, row: int, embeds: torch.Tensor, end: bool) -> None:
         """More text for `row` (embeds [n, hidden]); `end`: nothing follows, pad after it."""
@@ -306,12 +310,19 @@ class BatchDecoder:
             raise ValueError(f"A row holds at most {self.max_seq} text positions.")
         self.trailing[row, start : start + len(embeds)] = embeds
         self.text_len_host[row] = start + len(embeds)
+        self.text_end_host[row] = end
         self.text_len[row].fill_(start + len(embeds))
         self.text_end[row].fill_(end)
+
+    def may_run(self, row: int, frames: int) -> bool:
+        """Whether `row`, having made `frames` frames of its segment, can make one in a step: its whole
+        prompt is in, and its text reaches that frame or has ended (a step's own test, on the host)."""
+        return self.prompt_in[row] and (self.text_end_host[row] or frames < self.text_len_host[row])
 
     def stop(self, row: int) -> None:
         """The row leaves: it runs no more, and reads as not having produced (a frame over fewer rows leaves it as it is)."""
         self.occupied[row] = False
+        self.prompt_in[row] = False
         self.active[row].fill_(False)
         self.produced[row].fill_(False)
 

@@ -467,6 +467,15 @@ class Scheduler:
         self.last_frame_at = output.now if any(self.rows) else None
         return actions
 
+    def pause(self) -> None:
+        """No step runs for a while (every row waits for text or the rest of its prompt): the period of the
+        next step is not measured across the wait."""
+        self.last_frame_at = None
+
+    def flush_held(self) -> list[Action]:
+        """The held steady chunks' call now (no step runs to make their partners)."""
+        return self._flush() if self.held else []
+
     # ---- inside -------------------------------------------------------------------------------
 
     def _measure(self, output: StepOutput) -> None:
