@@ -175,9 +175,26 @@ def test_the_packs_and_steps_cuda_kernels_compute_what_transformers_kernels_comp
         assert expected.std() > 0.1 and torch.allclose(ours, expected, atol=1e-4, rtol=1e-4), (ours - expected).abs().max()
 
 
+def test_a_talker_that_refuses_the_reply_ends_it_with_its_sentence_and_frees_the_thinkers_row(tiny_omni, monkeypatch):
+    """The talker's queue refuses the speech (built on the thinker's hand-off thread): the reply raises the
+    engine's one sentence, the thinker stops writing it at once, and the next conversation is served."""
+    from pipeline.errors import EngineBusy
+
+    chat = OmniChat.from_pretrained(str(tiny_omni), rows=1, max_queue=0)
+    started: list[ThinkerReply] = []
+    start = chat.thinker.start
+    monkeypatch.setattr(chat.thinker, "start", lambda *args, **kwargs: started.append(start(*args, **kwargs)) or started[-1])
+    with pytest.raises(EngineBusy, match="The server is busy: 0 requests ahead; try again shortly."):
+        chat.reply(ChatRequest([Turn("user", MESSAGES[0])], greedy=True, max_new_tokens=1000, max_frames=8))
+    list(started[0])  # its reply ends ...
+    assert started[0].written < 1000  # ... long before its limit
+    text_only = chat.reply(ChatRequest([Turn("user", MESSAGES[1])], greedy=True, max_new_tokens=5, speak=False))
+    assert len(text_only.tokens) == 5
+
+
 def test_a_talker_that_refuses_one_reply_ends_that_one_alone(tiny_omni, monkeypatch):
     """Two prompts in one pack, the talker refusing the first one's speech (its queue full): that reply raises
-    the engine's one sentence and its row is free again; the other, in the same pack, is served in full."""
+    the engine's one sentence and the thinker stops writing it; the other, in the same pack, is served in full."""
     from pipeline.errors import EngineBusy
 
     chat = OmniChat.from_pretrained(str(tiny_omni), rows=2, max_queue=0)
@@ -189,7 +206,7 @@ def test_a_talker_that_refuses_one_reply_ends_that_one_alone(tiny_omni, monkeypa
 
     def speak() -> None:
         try:
-            chat.reply(ChatRequest([Turn("user", MESSAGES[0])], greedy=True, max_new_tokens=8, max_frames=8))
+            chat.reply(ChatRequest([Turn("user", MESSAGES[0])], greedy=True, max_new_tokens=1000, max_frames=8))
         except EngineBusy as exc:
             refusals.append(exc)
 
@@ -205,4 +222,6 @@ def test_a_talker_that_refuses_one_reply_ends_that_one_alone(tiny_omni, monkeypa
     assert [str(exc) for exc in refusals] == ["The server is busy: 0 requests ahead; try again shortly."]
     reply = text.end()
     assert len(reply.tokens) == 5 and not reply.stopped
-    assert [r.written for r in started] == [0, 5] and not thinker.running and not thinker.prefilling
+    list(started[0])  # the refused reply ends long before its limit
+    assert started[0].written < 1000 and started[1].written == 5
+    assert not thinker.running and not thinker.prefilling
