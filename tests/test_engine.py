@@ -169,6 +169,35 @@ def test_prompt_given_in_two_parts_equals_the_whole_prompt(models, awaits):
     assert torch.equal(finish(handle)[0], expected)
 
 
+def test_a_prompts_last_positions_given_while_it_waits_for_a_row_are_prefilled_apart(models, monkeypatch):
+    """The rest of a prompt given while its request still waits for a row is prefilled after the prefix, in a
+    prefill of its own, as when it comes after admission: a row's numbers never follow the timing (in bf16 on a
+    GPU a prompt prefilled whole and one prefilled in two parts give different codes)."""
+    tts = models["custom_voice"]
+    engine = tts.engine
+    job, _ = tts.prepare(SpeechRequest("Hello there, this is a test.", speaker="ryan", greedy=True, max_frames=24))
+    segment = job.segments[0]
+    held = dataclasses.replace(job, segments=[dataclasses.replace(segment, prompt=segment.prompt[:, :-1], awaits=1)])
+    expected = engine.submit(held)
+    wait_until(lambda: engine.scheduler.row_of(expected) is not None, "the request never got a row")
+    expected.finish_prompt(segment.prompt[:, -1:])
+    expected = finish(expected)[0]
+    busy = [engine.submit(held) for _ in range(ROWS)]  # each holds its row, waiting for its last position
+    prefix, rest = segment.prompt[:, :-1].clone(), segment.prompt[:, -1:].clone()  # the request's own tensors
+    handle = engine.submit(dataclasses.replace(held, segments=[dataclasses.replace(held.segments[0], prompt=prefix)]))
+    prefills = []  # the request's prefills: how many positions each
+    start, finish_prompt = engine.decoder.start, engine.decoder.finish_prompt
+    mine = lambda tensor: tensor.data_ptr() in (prefix.data_ptr(), rest.data_ptr())  # noqa: E731
+    monkeypatch.setattr(engine.decoder, "start", lambda row, prompt, *args: (mine(prompt) and prefills.append(prompt.shape[1])) or start(row, prompt, *args))
+    monkeypatch.setattr(engine.decoder, "finish_prompt", lambda row, part: (mine(part) and prefills.append(part.shape[1])) or finish_prompt(row, part))
+    handle.finish_prompt(rest)
+    assert engine.scheduler.waiting_request(handle) is not None
+    for other in busy:
+        other.close()
+    assert torch.equal(finish(handle)[0], expected)
+    assert prefills == [segment.prompt.shape[1] - 1, 1]
+
+
 def test_no_step_runs_while_every_row_waits_for_text(models, voices):
     """A row out of text parks the loop: woken with nothing new it parks again without a step; the
     next text runs it on from where it was."""

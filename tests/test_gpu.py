@@ -92,6 +92,44 @@ def test_row_blocks_give_the_audio_of_all_rows_alone_and_as_neighbours_come_and_
         list(h)
 
 
+def test_a_waiting_requests_parts_made_on_other_streams_join_once_ready(graphed):
+    """A caller may make a request's parts on different streams (Omni's talker prompt on the thinker's
+    hand-off stream, its last position and its text on the conversation's): parts given while the
+    request waits for a row join the earlier ones after those are written, and it speaks as when its
+    last position comes after its row's prefill."""
+    import dataclasses
+
+    engine = graphed.engine
+    job, _ = graphed.prepare(request(77, 60))
+    segment = job.segments[0]
+    prefix, rest = segment.prompt[:, :-1], segment.prompt[:, -1:]
+    held = dataclasses.replace(segment, prompt=prefix, trailing=segment.trailing[:0], text_end=False, awaits=1)
+    with torch.inference_mode():
+        expected = engine.submit(dataclasses.replace(job, segments=[held]))
+        deadline = time.monotonic() + 60
+        while engine.scheduler.row_of(expected) is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        expected.finish_prompt(rest)
+        expected.append_text(segment.trailing, True)
+        expected_audio = np.concatenate([c.audio for c in expected])
+    busy = [graphed.submit(request(i)) for i in range(engine.decoder.rows)]  # the next request waits for a row
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # the prefix is written ~0.1 s of GPU time later
+        late = dataclasses.replace(held, prompt=prefix.clone(), trailing=segment.trailing[:0].clone())
+        handle = engine.submit(dataclasses.replace(job, segments=[late]))
+    assert engine.scheduler.waiting_request(handle) is not None
+    with torch.inference_mode():
+        handle.finish_prompt(rest.clone())
+        handle.append_text(segment.trailing.clone(), True)
+    for other in busy:
+        other.close()
+    audio = np.concatenate([c.audio for c in handle])
+    np.testing.assert_array_equal(handle.codes.numpy(), expected.codes.numpy())
+    np.testing.assert_array_equal(audio, expected_audio)
+
+
 def test_streamed_equals_offline(graphed):
     result = graphed.synthesize(request(5))
     offline = graphed.decode(torch.from_numpy(result.codes).cuda())

@@ -379,31 +379,39 @@ class Engine:
             self.wake.notify()
 
     def append_text(self, handle: Handle, embeds: torch.Tensor, end: bool) -> None:
-        ready = self._caller_ready()
         with self.lock:
             request = self.scheduler.waiting_request(handle)
             if request is not None:  # not started: the text joins its last segment
                 last = request.segments[-1]
+                self._follow(request, last.trailing)
                 request.segments[-1] = dataclasses.replace(last, trailing=torch.cat([last.trailing, embeds]), text_end=end)
-                request.ready = ready
+                request.ready = self._caller_ready()
                 return
-            self.commands.append(AppendText(handle, embeds, end, ready))
+            self.commands.append(AppendText(handle, embeds, end, self._caller_ready()))
             self.wake.notify()
 
     def finish_prompt(self, handle: Handle, rest: torch.Tensor) -> None:
         awaits = handle.job.segments[0].awaits
         if rest.shape[1] != awaits:
             raise ValueError(f"The prompt awaits {awaits} positions, not {rest.shape[1]}.")
-        ready = self._caller_ready()
         with self.lock:
             request = self.scheduler.waiting_request(handle)
-            if request is not None:  # not admitted yet: it starts with its whole prompt
-                first = request.segments[0]
-                request.segments[0] = dataclasses.replace(first, prompt=torch.cat([first.prompt, rest], dim=1), awaits=0)
-                request.ready = ready
+            if request is not None:  # not admitted yet: prefilled apart all the same, right after the prefix
+                self._follow(request)
+                request.rest = rest
+                request.ready = self._caller_ready()
                 return
-            self.commands.append(FinishPrompt(handle, rest, ready))
+            self.commands.append(FinishPrompt(handle, rest, self._caller_ready()))
             self.wake.notify()
+
+    def _follow(self, request: Request, *read: torch.Tensor) -> None:
+        """The caller's stream waits for the tensors a waiting request holds (made on the stream that
+        `request.ready` marks, perhaps another) before the caller's work that adds to them, which reads `read`."""
+        if request.ready is not None:
+            stream = torch.cuda.current_stream()
+            stream.wait_event(request.ready)
+            for tensor in read:
+                tensor.record_stream(stream)
 
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the loop after its current frame; requests still in flight end with an error."""
@@ -548,14 +556,17 @@ class Engine:
     def _start_segment(self, start: StartSegment) -> None:
         request = start.request
         job, segment = request.job, request.segments[start.segment]
+        rest = request.rest if start.segment == 0 else None  # given while it waited
         self.prefill_timers[start.row] = (start.epoch, [])
         with self._stream(self.gen_stream):
             if request.ready is not None:
                 self.gen_stream.wait_event(request.ready)
-                for t in (segment.prompt, segment.trailing):
+                for t in (segment.prompt, segment.trailing, *([] if rest is None else [rest])):
                     t.record_stream(self.gen_stream)  # made on the caller's stream, read on this one
             self._timed_prefill(start.row, lambda: self.decoder.start(start.row, segment.prompt, segment.trailing, segment.text_end, job.sampling,
                                                                        job.seed + start.segment, start.budget, segment.awaits))
+            if rest is not None:  # prefilled apart, as when it comes after admission: a row's numbers never follow the timing
+                self._timed_prefill(start.row, lambda: self.decoder.finish_prompt(start.row, rest))
 
     def _timed_prefill(self, row: int, prefill: Callable[[], None]) -> None:
         timer = _Timer(self.cuda)

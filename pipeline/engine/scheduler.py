@@ -201,6 +201,7 @@ class Request:
     job: Job  # the caller's, only read
     segments: list[Segment]
     ready: Any = None  # recorded on the caller's stream after it made the tensors (runtime; carried through)
+    rest: Any = None  # the prompt's awaited last positions, when they come before admission (Handle.finish_prompt)
     ahead: int | None = None  # the queue position last announced
 
 
