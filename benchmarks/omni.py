@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from benchmarks.speed import report_header, write_report
+from pipeline.contract.events import DEFAULT_SYSTEM_PROMPT
 from pipeline.engine import Chunk
 from pipeline.omni import ChatEnd, ChatRequest, Code2Wav, Code2WavConfig, OmniChat, OmniTalker, OmniTalkerConfig, PromptIds, TextDelta, Turn
 from pipeline.omni.chat import DEFAULT_ROWS, THINKER_MAX_SEQ
@@ -38,20 +39,25 @@ from pipeline.tiny import OMNI_FEATURE_EXTRACTOR, randomize_, randomize_code2wav
 
 SHORT_MESSAGE = "Hi! Could you tell me, in one or two sentences, what the weather is usually like in Lisbon in spring?"
 SPEECH_S = 0.08
+# Merges enough for the benchmark's prompts to be one token per word (and punctuation mark), as the released
+# tokenizer encodes such common English: the short message with the default system prompt is then about as
+# many positions as with the released files (not available here). `--spelt-prompts` leaves them spelt out.
+WORD_MERGES = 4000
 
 
 @torch.no_grad()
 def random_omni(workdir: Path, dtype: torch.dtype, rows: int, compiled: bool, pack_tokens: int | None = None,
-                seed: int = 0) -> tuple[OmniChat, dict[str, float]]:
+                seed: int = 0, words: str = "") -> tuple[OmniChat, dict[str, float]]:
     """The real-size Qwen3-Omni with seeded random weights, in GPU memory; and the GiB allocated for the
-    weights and, after, for the caches and graphs the chat builds (the GPU's memory plan)."""
+    weights and, after, for the caches and graphs the chat builds (the GPU's memory plan). The words of
+    `words` are one token each; others are spelt out in pieces."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
 
     device = torch.device("cuda")
     g = torch.Generator(device).manual_seed(seed)
-    write_tiny_omni_tokenizer(workdir)  # Qwen3-Omni's special-token ids; words do not matter here
+    write_tiny_omni_tokenizer(workdir, merges=WORD_MERGES if words else 300, words=words)  # Qwen3-Omni's special-token ids
     ids = {**RELEASED_CONFIG}
     ids["system_token_id"], ids["user_token_id"], ids["assistant_token_id"] = (
         AutoTokenizer.from_pretrained(str(workdir)).convert_tokens_to_ids(["system", "user", "assistant"]))
@@ -171,7 +177,8 @@ def markdown(report: dict) -> str:
              f"{report['date']})", "", f"Command: `{report['command']}`; {report['rows']} talker rows, bf16 thinker and talker, fp32 code2wav, "
              f"talker step {'compiled' if report['compiled'] else 'a plain CUDA graph'}, thinker step and packs of {report['pack_tokens']} "
              f"prompt positions CUDA graphs; "
-             f"median of {report['repeats']} replies of {report['tokens']} tokens / {report['frames']} frames.", "",
+             f"median of {report['repeats']} replies of {report['tokens']} tokens / {report['frames']} frames; "
+             f"the short text message with the system prompt is {report['short_text_positions']} prompt positions.", "",
              "| message | first text token (ms) | first audio (ms) | talker frame (ms) | thinker token (ms) | p95 chunk gap (ms) | stalls |",
              "|---|---|---|---|---|---|---|"]
     for name, r in report["single"].items():
@@ -202,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--together", type=int, nargs="+", default=[4], help="conversations released at once (one run per count)")
     parser.add_argument("--pack-tokens", type=int, default=None, help="prompt positions per thinker pack (default the thinker's)")
+    parser.add_argument("--spelt-prompts", action="store_true",
+                        help="prompts spelt out in pieces of a few letters (about 3x the positions of whole words; the reports before 2026-11-28 ran so)")
     parser.add_argument("--no-compile", action="store_true", help="the talker's decode step as a plain CUDA graph, not torch.compile'd (as the app's --no-compile)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--trace", type=Path, default=None, help="also write a torch.profiler trace (.json.gz) of one reply here")
@@ -211,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        chat, memory = random_omni(Path(tmp), torch.bfloat16, args.rows, compiled=not args.no_compile, pack_tokens=args.pack_tokens)
+        words = "" if args.spelt_prompts else f"{DEFAULT_SYSTEM_PROMPT} {SHORT_MESSAGE}"
+        chat, memory = random_omni(Path(tmp), torch.bfloat16, args.rows, compiled=not args.no_compile, pack_tokens=args.pack_tokens, words=words)
         print(f"built in {time.perf_counter() - t0:.0f} s, memory {json.dumps(memory)}", flush=True)
         audio = spoken_message(5.0)
         requests = {
@@ -222,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             **report_header("benchmarks.omni", argv), "transformers": transformers.__version__,
             "rows": args.rows, "compiled": not args.no_compile, "tokens": args.tokens, "frames": args.frames, "repeats": args.repeats, "pack_tokens": chat.thinker.pack_tokens,
+            "short_text_positions": chat.prepare(requests["short text"](0)).inputs.input_ids.shape[1],
             "memory": memory,
             "single": {name: median_run(chat, make, args.repeats) for name, make in requests.items()},
         }

@@ -346,15 +346,19 @@ def _pseudo_words(count: int, taken: set[str]) -> list[str]:
     raise ValueError("not enough pseudo-words")
 
 
-def write_tiny_omni_tokenizer(directory: Path, merges: int = 300) -> dict[str, int]:
-    """Qwen2Tokenizer files whose special tokens sit at Qwen3-Omni's real ids (151643...)."""
+def write_tiny_omni_tokenizer(directory: Path, merges: int = 300, words: str = "") -> dict[str, int]:
+    """Qwen2Tokenizer files whose special tokens sit at Qwen3-Omni's real ids (151643...). The words of
+    `words` become one token each (with `merges` enough), as a released tokenizer's vocabulary holds
+    common words whole."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + merges, initial_alphabet=alphabet, show_progress=False)
-    bpe.train_from_iterator([TOKENIZER_CORPUS + "system " * 8] * 20, trainer)  # the chat roles as single tokens
+    # The chat roles as single tokens, also where more merges would make them only " user" and " assistant".
+    roles = "".join(f"\n{role}\n" for role in ("user", "assistant") * 8) if words else ""
+    bpe.train_from_iterator([TOKENIZER_CORPUS + "system " * 8 + words + roles] * 20, trainer)
     model = json.loads(bpe.to_str())["model"]
     vocab: dict[str, int] = model["vocab"]
     for word in _pseudo_words(OMNI_FIRST_SPECIAL_ID - len(vocab), set(vocab)):
