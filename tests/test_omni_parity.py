@@ -153,16 +153,6 @@ def test_any_chunk_schedule_gives_the_offline_waveform(chat, tiny_omni):
         assert reply.audio.shape == offline.shape == (40 * 1920 - 555,) and np.abs(reply.audio - offline).max() <= 1e-5
 
 
-def test_speech_starts_with_two_one_frame_chunks(chat):
-    """Omni's speech comes in chunks of 1, 1, 2, 4, 8 and then 16 frames: a second chunk of one frame needs
-    one more thinker token within its first's 80 ms, not two (the thinker shares the GPU with other
-    conversations' prompts)."""
-    from pipeline.engine import Chunk
-
-    reply = [event for event in chat.stream(_request("Hello there, how are you?", frames=40)) if isinstance(event, Chunk)]
-    assert [chunk.frames for chunk in reply] == [1, 1, 2, 4, 8, 16, 8]
-
-
 def test_same_seed_same_reply_and_audio_when_sampling(chat):
     """Sampled thinker, talker and code predictor: the same seed gives the same reply and codes. The
     audio is equal to float rounding, not bit for bit: when the talker waits for the thinker, the

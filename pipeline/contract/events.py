@@ -13,10 +13,6 @@ FRAMES_PER_SECOND = 12.5  # codec frames (one talker step each)
 SAMPLES_PER_FRAME = 1920  # SAMPLE_RATE / FRAMES_PER_SECOND: 80 ms
 FRAME_SECONDS = 1 / FRAMES_PER_SECOND
 DEFAULT_SCHEDULE = (1, 2, 4, 8, 16)  # frames per chunk; the last size repeats
-# Omni's speech waits on the thinker's tokens (a frame each), which share the GPU with other conversations'
-# prompts: a 1024-position pack and a step take ~65 ms at the real size, where a stream's second chunk of 2
-# frames is due 80 ms after its first. A second chunk of one frame leaves a pack room.
-OMNI_SCHEDULE = (1, 1, 2, 4, 8, 16)
 TINY = "tiny"  # the checkpoint name that selects the built-in tiny random checkpoint of a tab's type
 
 # Omni chat's defaults and bounds, which its tab shows before a model is loaded.

@@ -29,9 +29,9 @@ from pipeline import memory_plan
 from pipeline.audio import load_message_audio
 from pipeline.codec import MultiStreamDecoder
 from pipeline.config_types import ROPE, check_config, dataclass_schema
-from pipeline.contract.events import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_REPLY_TOKENS, OMNI_SCHEDULE, ChatEnd, TextDelta
+from pipeline.contract.events import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, MAX_REPLY_TOKENS, ChatEnd, TextDelta
 from pipeline.contract.models import OMNI
-from pipeline.engine import BatchDecoder, Chunk, DecodeConfig, Engine, Handle, Job, Mailbox, Queued, SamplingConfig, Segment, Waiting
+from pipeline.engine import DEFAULT_SCHEDULE, BatchDecoder, Chunk, DecodeConfig, Engine, Handle, Job, Mailbox, Queued, SamplingConfig, Segment, Waiting
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.loading import load_part, read_json, resolve_checkpoint, torch_device, torch_dtype
 from pipeline.model import CodePredictorConfig
@@ -99,7 +99,7 @@ class ChatRequest:
     seed: int | None = None
     max_new_tokens: int = MAX_REPLY_TOKENS
     max_frames: int | None = None  # speech frames (80 ms); None: as many as the reply needs
-    schedule: tuple[int, ...] = OMNI_SCHEDULE
+    schedule: tuple[int, ...] = DEFAULT_SCHEDULE
     # The thinker's sampling (None: generation_config.json's); temperature 0 means greedy. The talker keeps its own.
     temperature: float | None = None
     top_p: float | None = None
