@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.codec.decoder import MultiStreamDecoder
 from pipeline.contract.events import FRAMES_PER_SECOND
 from pipeline.engine.core import Job, Segment
 from pipeline.engine.scheduler import (
-    BATCH_FRAMES,
     BATCH_LEAD_S,
     BATCH_WAIT_FRAMES,
     EARLY_CHUNKS,
@@ -38,6 +38,7 @@ from pipeline.errors import EngineBusy
 
 EOS = 2150
 ROOM = 2000  # frames a row holds after any prompt here
+BATCH_FRAMES = MultiStreamDecoder.BATCH_FRAMES  # frames of the vocoder's batched call
 PROMPT = 10
 
 
@@ -470,7 +471,7 @@ STEADY_AT = 1 + 2 + 4 + 8 + BATCH_FRAMES  # frames of a stream when its first st
 
 
 def batching(rows: int = 4, slots: int = 2) -> Scheduler:
-    return scheduler(rows=rows, lanes=3, batch_lanes=2, slots=slots)
+    return scheduler(rows=rows, lanes=3, batch_lanes=2, slots=slots, batch_frames=BATCH_FRAMES)
 
 
 def batches(actions: list) -> list[list[tuple[str, int]]]:
@@ -553,7 +554,7 @@ def test_which_chunks_batch_depends_on_the_request_only():
 
 
 def test_without_slots_nothing_is_held():
-    sched = scheduler(rows=1, lanes=4, batch_lanes=2, slots=1)
+    sched = scheduler(rows=1, lanes=4, batch_lanes=2, slots=1, batch_frames=BATCH_FRAMES)
     sched.add(request("a", schedule=STEADY))
     actions = run(sched, STEADY_AT)
     assert batches(actions) == [] and len(of(actions, Emit)) == EARLY_CHUNKS + 1

@@ -292,7 +292,7 @@ class Engine:
         self.decoder, self.vocoder = decoder, vocoder
         self.rows = decoder.rows
         self.scheduler = Scheduler(self.rows, vocoder.lanes, decoder.eos_id, decoder.max_frames, max_queue, prefills_per_frame,
-                                   batch_lanes=vocoder.batch_lanes, slots=vocoder.slots)
+                                   batch_lanes=vocoder.batch_lanes, slots=vocoder.slots, batch_frames=vocoder.BATCH_FRAMES)
         self.device = decoder.codes.device
         self.cuda = self.device.type == "cuda"
         self.gen_stream = torch.cuda.Stream(self.device, priority=GENERATION_PRIORITY) if self.cuda else None

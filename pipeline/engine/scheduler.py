@@ -29,10 +29,9 @@ if TYPE_CHECKING:
 
 EARLY_CHUNKS = 4  # a stream's first chunks (1, 2, 4 and 8 frames by default): little audio buffered yet
 
-# Steady chunks of BATCH_FRAMES frames share batched vocoder calls (see `Scheduler._cut`): one waits
+# Steady chunks of a batched vocoder call's length share such calls (see `Scheduler._cut`): one waits
 # for others at most BATCH_WAIT_FRAMES frames, and not once its listener has less than BATCH_LEAD_S of
 # audio left without it. Steady chunks come ~1 s or more ahead of playback, so the wait is inaudible.
-BATCH_FRAMES = 16  # the vocoder's batched call (MultiStreamDecoder.BATCH_FRAMES)
 BATCH_WAIT_FRAMES = 4
 BATCH_LEAD_S = 0.5
 
@@ -70,7 +69,7 @@ def vocoder_lane(row: int, chunk_index: int, lanes: int) -> int:
     steady chunks in the others, by row: simultaneous arrivals vocode side by side, a new stream's
     second chunk (due 80 ms after its first) never waits behind a queue of 16-frame chunks, and two
     running streams' 16-frame chunks overlap (one call leaves part of an H200 idle: two calls at
-    once take 1.6x one). Where batched lanes exist, steady chunks of BATCH_FRAMES go there instead."""
+    once take 1.6x one). Where batched lanes exist, steady chunks of their call's length go there instead."""
     if lanes == 1:
         return 0
     early = (lanes + 1) // 2
@@ -292,7 +291,7 @@ class Finish:
 
 @dataclass
 class VocodeBatch:
-    """Vocode the steady chunks `emits` (BATCH_FRAMES frames each, distinct rows) in one call of batched vocoder `lane`."""
+    """Vocode the steady chunks `emits` (a batched call's frames each, distinct rows) in one call of batched vocoder `lane`."""
 
     lane: int
     emits: list[Emit]
@@ -324,12 +323,13 @@ class Scheduler:
     """FIFO admission into `rows` rows, chunk cuts, vocoder lanes, segment and request ends."""
 
     def __init__(self, rows: int, lanes: int, eos: int, room: Callable[[int], int], max_queue: int = 64, prefills_per_frame: int = 4,
-                 margin_s: float = LEAD_MARGIN_S, batch_lanes: int = 0, slots: int = 1):
+                 margin_s: float = LEAD_MARGIN_S, batch_lanes: int = 0, slots: int = 1, batch_frames: int = 0):
         """`room(positions)`: frames a row holds after a prompt of that many positions. `lanes`
-        one-stream vocoder lanes, then `batch_lanes` lanes of `slots` streams a call (none where
-        `slots` is 1)."""
+        one-stream vocoder lanes, then `batch_lanes` lanes of `slots` streams a call, `batch_frames`
+        frames each (none where `slots` is 1)."""
         self.lanes, self.eos, self.room = lanes, eos, room
-        self.batch_lanes, self.slots = (batch_lanes, slots) if slots > 1 and batch_lanes > 0 else (0, 1)
+        self.batch_lanes, self.slots = (batch_lanes, slots) if slots > 1 and batch_lanes > 0 and batch_frames > 0 else (0, 1)
+        self.batch_frames = batch_frames
         self.held: list[tuple[int, Emit]] = []  # (frame it was cut at, chunk) waiting to share a batched call
         self.batch_turns = itertools.count()
         self.frame = 0
@@ -518,7 +518,7 @@ class Scheduler:
         one-stream call's, and the same request must give the same audio alone or among others."""
         emit = self._emit(state, now)
         actions = self._release_held(state.row)
-        if self.slots > 1 and emit.index >= EARLY_CHUNKS and len(emit.codes) == BATCH_FRAMES:
+        if self.slots > 1 and emit.index >= EARLY_CHUNKS and len(emit.codes) == self.batch_frames:
             self.held.append((self.frame, emit))
             return actions + (self._flush() if len(self.held) == self.slots else [])
         return [*actions, emit]
