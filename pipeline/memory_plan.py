@@ -361,7 +361,7 @@ def tts_checkpoint_plan(directory: Path, dtype: torch.dtype, max_seq: int, name:
 # ---- Qwen3-Omni ------------------------------------------------------------------------------
 
 def thinker_slot_bytes(text_config: dict[str, Any], max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of one conversation's thinker row (`pipeline.omni.thinker.RowKV`): its KV cache of `max_len`
+    """Bytes of one conversation's thinker row (`pipeline.omni.row_invariant.RowKV`): its KV cache of `max_len`
     positions and its sink, and a few per-row numbers (its flag per vocabulary id, ~150 KB, fits in the fixed reserve)."""
     layers, kv_heads = text_config["num_hidden_layers"], text_config["num_key_value_heads"]
     head_dim = text_config.get("head_dim") or text_config["hidden_size"] // text_config["num_attention_heads"]

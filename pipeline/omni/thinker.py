@@ -24,9 +24,10 @@ runs `pipeline.kernels.grouped_experts` (fixed tiles) and the step `pipeline.ker
 `batched_mm`, a product per (token, expert) pair. Attention: every query attends over its own
 row's cached keys, through `pipeline.kernels.row_attention` on CUDA (PyTorch's SDPA over a long
 masked key range is not reproducible from run to run there; a pack's queries on tensor cores) and
-SDPA over the gathered rows on the CPU. These are registered with transformers' experts and attention interfaces and chosen for the
-pack and the step alone. On CUDA the step and the pack's two halves (split at the layer the talker
-reads) are graphs: in eager PyTorch the 48-layer MoE model is thousands of small launches.
+SDPA over the gathered rows on the CPU. These are registered with transformers' experts and attention
+interfaces (pipeline/omni/row_invariant.py, with the row caches) and chosen for the pack and the
+step alone. On CUDA the step and the pack's two halves (split at the layer the talker reads) are
+graphs: in eager PyTorch the 48-layer MoE model is thousands of small launches.
 
 Streams and threads: the scheduler runs its work on a CUDA stream of its own, so what the callers'
 threads put on theirs (a new prompt's embeddings and audio encoder, the talker's text projections
@@ -68,6 +69,16 @@ from pipeline.errors import CheckpointError
 from pipeline.graphs import CUDAGraphed, GraphPool
 from pipeline.model import known_fields
 from pipeline.omni.conversation import ThinkerInputs
+from pipeline.omni.row_invariant import (
+    PACK_ATTENTION,
+    PACK_EXPERTS,
+    PACK_SDPA,
+    ROW_ATTENTION,
+    ROW_EXPERTS,
+    PackKV,
+    RowKV,
+    register_row_kernels,
+)
 
 log = logging.getLogger(__name__)
 # Prompt positions a pack takes. On CUDA the experts' weights are read once for all of them: 1024 hold
@@ -77,72 +88,6 @@ PACK_TOKENS = {"cuda": 1024, "cpu": 64}
 # The transformers releases the driver is tested on (both ends included); requirements.txt allows these.
 SUPPORTED_TRANSFORMERS = ("5.15.1", "5.24.0")
 _END = object()  # a reply's last item: the thinker wrote its last token
-# The decode step's and the pack's experts and attention, under these names in transformers' interfaces.
-ROW_EXPERTS = "row_invariant"
-ROW_ATTENTION = "row_invariant_decode"
-PACK_EXPERTS = "row_invariant_grouped"
-PACK_ATTENTION = "row_invariant_packed"
-PACK_SDPA = "row_invariant_packed_sdpa"
-
-
-def _row_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts forward (stacked `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) through the
-    row-invariant kernels, skipping the rows its thinker marks inactive (`experts.active_rows`)."""
-    from pipeline.kernels.experts import routed_experts
-
-    return routed_experts(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, experts.active_rows)
-
-
-def _row_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
-                           scaling: float, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention function for the decode step: each row attends to the prefix of keys its
-    mask leaves open (the step's mask is causal, so that prefix is every key it attends to)."""
-    from pipeline.kernels.row_attention import decode_attention
-
-    lengths = (attention_mask[:, 0, -1] == 0).sum(-1)
-    return decode_attention(query, key, value, lengths, scaling), None
-
-
-def _pack_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts forward for a pack through the fixed-tile grouped kernel, skipping the pack's
-    unused positions (`experts.active_tokens`)."""
-    from pipeline.kernels.grouped_experts import grouped_experts
-
-    return grouped_experts(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, experts.active_tokens)
-
-
-def _pack_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                            scaling: float, token_rows: torch.Tensor, token_lengths: torch.Tensor, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention function for a pack: query [1, H, T, D], key and value the layer's whole
-    cache [rows, Hkv, positions, D]; position t attends to the first `token_lengths[t]` keys of row
-    `token_rows[t]` (its prompt's keys up to itself, this pack's included: they are written first)."""
-    from pipeline.kernels.row_attention import pack_attention
-
-    return pack_attention(query[0].transpose(0, 1), key, value, token_rows, token_lengths, scaling)[None], None
-
-
-def _pack_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                       scaling: float, token_rows: torch.Tensor, token_lengths: torch.Tensor, **kwargs) -> tuple[torch.Tensor, None]:
-    """The same through PyTorch's SDPA (the CPU's): each position as a decode row of its own, its row's keys
-    gathered and the keys past its length masked (every call the same shape: the whole cache)."""
-    keys, values = key[token_rows], value[token_rows]
-    open_keys = torch.arange(key.shape[2], device=key.device)[None] < token_lengths[:, None]
-    mask = torch.where(open_keys, 0.0, torch.finfo(query.dtype).min).to(query.dtype)[:, None, None]
-    out = torch.nn.functional.scaled_dot_product_attention(query[0].transpose(0, 1)[:, :, None], keys, values, attn_mask=mask,
-                                                           scale=scaling, enable_gqa=True)
-    return out[:, :, 0][None], None
-
-
-def _register_row_kernels() -> None:
-    from transformers import AttentionInterface
-    from transformers.integrations.moe import ExpertsInterface
-
-    ExpertsInterface.register(ROW_EXPERTS, _row_experts_forward)
-    AttentionInterface.register(ROW_ATTENTION, _row_attention_forward)
-    ExpertsInterface.register(PACK_EXPERTS, _pack_experts_forward)
-    AttentionInterface.register(PACK_ATTENTION, _pack_attention_forward)
-    AttentionInterface.register(PACK_SDPA, _pack_sdpa_forward)
-
 
 def check_transformers_version(installed: str) -> None:
     """Refuse a transformers release outside SUPPORTED_TRANSFORMERS, in one sentence, before any loading."""
@@ -166,43 +111,6 @@ class ThinkerSampling:
     def from_generation_config(cls, data: dict[str, Any]) -> "ThinkerSampling":
         section = data.get("thinker") if isinstance(data.get("thinker"), dict) else data
         return cls(**known_fields(cls, section))
-
-
-class RowKV:
-    """Keys and values of every layer for every row, [layers, rows, heads, max_len + 1, head_dim]; each
-    `update` (called by transformers' attention in the decode step) writes row r's one new key at
-    `write_at[r]`, a device tensor (its position, or the sink `max_len` for a row that holds no
-    conversation), so a graph replay writes where each row stands."""
-
-    def __init__(self, layers: int, rows: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        self.keys = torch.zeros(layers, rows, heads, max_len + 1, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.sink = max_len
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # where each row's next key goes
-        self.write_at = torch.zeros(rows, dtype=torch.long, device=device)
-        self.row_ids = torch.arange(rows, device=device)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        # key, value: [rows, heads, 1, head_dim]
-        self.keys[layer_idx][self.row_ids, :, self.write_at] = key[:, :, 0]
-        self.values[layer_idx][self.row_ids, :, self.write_at] = value[:, :, 0]
-        return self.keys[layer_idx], self.values[layer_idx]
-
-
-class PackKV:
-    """A pack's writes into the rows' caches: position t's key and value go to row `rows[t]` at `write_at[t]`
-    (its place in its prompt; the sink for an unused position), device tensors set before each pack."""
-
-    def __init__(self, kv: RowKV, tokens: int):
-        self.kv = kv
-        self.rows = torch.zeros(tokens, dtype=torch.long, device=kv.keys.device)
-        self.write_at = torch.full((tokens,), kv.sink, dtype=torch.long, device=kv.keys.device)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        # key, value: [1, heads, tokens, head_dim]
-        self.kv.keys[layer_idx][self.rows, :, self.write_at] = key[0].transpose(0, 1)
-        self.kv.values[layer_idx][self.rows, :, self.write_at] = value[0].transpose(0, 1)
-        return self.kv.keys[layer_idx], self.kv.values[layer_idx]
 
 
 @dataclass(eq=False)  # a live conversation: compared and hashed by identity
@@ -256,7 +164,7 @@ class Thinker:
         self.pack_tokens = pack_tokens or PACK_TOKENS.get(self.device.type, PACK_TOKENS["cpu"])
         config = model.config.text_config
         self.experts = [layer.mlp.experts for layer in self.text.layers if hasattr(layer.mlp, "experts")]
-        _register_row_kernels()
+        register_row_kernels()
         if self.device.type == "cuda":
             self._check_expert_layout()
             self.step_kernels, self.pack_kernels = (ROW_EXPERTS, ROW_ATTENTION), (PACK_EXPERTS, PACK_ATTENTION)
