@@ -59,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from packaging.version import Version
@@ -147,6 +147,19 @@ class ThinkerReply:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+
+class PromptShare(NamedTuple):
+    """A prompt's positions in one pack: `count` of them from its position `first`."""
+
+    reply: ThinkerReply
+    first: int
+    count: int
+
+    @property
+    def ends(self) -> bool:
+        """The prompt's last position is in this pack."""
+        return self.first + self.count == self.reply.length
 
 
 class Thinker:
@@ -380,9 +393,10 @@ class Thinker:
             for reply, _, _ in packed:
                 self._drop(reply, exc)
             return
-        for reply, first, count in packed:
+        for share in packed:
+            reply, first, count = share
             reply.prefilled = first + count
-            if reply.prefilled == reply.length:
+            if share.ends:
                 self.prefilling.remove(reply)
                 self.running[reply.row] = reply
                 self._deliver(reply.row, reply, picked[reply.row])
@@ -428,9 +442,9 @@ class Thinker:
 
     # ---- the model -------------------------------------------------------------------------------
 
-    def _fill_pack(self, prompts: list[ThinkerReply]) -> list[tuple[ThinkerReply, int, int]]:
-        """The pack's buffers from the prompts' next positions, in order, until it is full: (prompt, its first
-        position in the pack, how many) for each prompt in it. Unused positions read zeros at rope position
+    def _fill_pack(self, prompts: list[ThinkerReply]) -> list[PromptShare]:
+        """The pack's buffers from the prompts' next positions, in order, until it is full: each prompt's share
+        of it. Unused positions read zeros at rope position
         0 of row 0, attend to one key and write at the sink."""
         tokens = self.pack_tokens
         rows = torch.zeros(tokens, dtype=torch.long)
@@ -446,9 +460,10 @@ class Thinker:
             self.pack_in[0, used:used + count].copy_(reply.embeds[0, first:first + count])
             rows[used:used + count] = reply.row
             positions[used:used + count] = write_at[used:used + count] = torch.arange(first, first + count)
-            if first + count == reply.length:
+            share = PromptShare(reply, first, count)
+            if share.ends:
                 last[reply.row] = used + count - 1
-            packed.append((reply, first, count))
+            packed.append(share)
             used += count
         self.pack_in[0, used:].zero_()
         self.pack_kv.rows.copy_(rows)
@@ -458,24 +473,25 @@ class Thinker:
         self.pack_last.copy_(last)
         return packed
 
-    def _pack_through(self, packed: list[tuple[ThinkerReply, int, int]]) -> list[int]:
+    def _pack_through(self, packed: list[PromptShare]) -> list[int]:
         """The filled pack through the model: the lower layers, each prompt's share of their output kept and
         handed on once its prompt is complete, the upper layers; every row's pick from its prompt's last position
         (used for the rows whose prompt ended in the pack: they start running here)."""
         lower = self.pack_lower()
         offset = 0
-        for reply, first, count in packed:
+        for share in packed:
+            reply, first, count = share
             if reply.accept_hidden is not None:
                 reply.accept_hidden[first:first + count].copy_(lower[0, offset:offset + count])
-                if first + count == reply.length:
+                if share.ends:
                     self.handoff.submit(self._hand_off, reply, self._recorded())
             offset += count
         picked = self.pack_upper()
         ending = torch.zeros(self.rows, dtype=torch.bool)
-        for reply, first, count in packed:
-            if first + count == reply.length:
-                ending[reply.row] = True
-                self.kv.positions[reply.row] = reply.length
+        for share in packed:
+            if share.ends:
+                ending[share.reply.row] = True
+                self.kv.positions[share.reply.row] = share.reply.length
         ending = ending.to(self.device)
         self.tokens[:, 0] = torch.where(ending, picked, self.tokens[:, 0])
         self.active |= ending
