@@ -561,8 +561,9 @@ class Engine:
         with self._stream(self.gen_stream):
             if request.ready is not None:
                 self.gen_stream.wait_event(request.ready)
-                for t in (segment.prompt, segment.trailing, *([] if rest is None else [rest])):
-                    t.record_stream(self.gen_stream)  # made on the caller's stream, read on this one
+                for t in (segment.prompt, segment.trailing, rest):
+                    if t is not None:
+                        t.record_stream(self.gen_stream)  # made on the caller's stream, read on this one
             self._timed_prefill(start.row, lambda: self.decoder.start(start.row, segment.prompt, segment.trailing, segment.text_end, job.sampling,
                                                                        job.seed + start.segment, start.budget, segment.awaits))
             if rest is not None:  # prefilled apart, as when it comes after admission: a row's numbers never follow the timing
