@@ -109,6 +109,7 @@ def test_a_waiting_requests_parts_made_on_other_streams_join_once_ready(graphed)
         deadline = time.monotonic() + 60
         while engine.scheduler.row_of(expected) is None and time.monotonic() < deadline:
             time.sleep(0.001)
+        assert engine.scheduler.row_of(expected) is not None  # its last position comes after its row's prefill
         expected.finish_prompt(rest)
         expected.append_text(segment.trailing, True)
         expected_audio = np.concatenate([c.audio for c in expected])
