@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--together", type=int, nargs="+", default=[4], help="conversations released at once (one run per count)")
     parser.add_argument("--pack-tokens", type=int, default=None, help="prompt positions per thinker pack (default the thinker's)")
     parser.add_argument("--spelt-prompts", action="store_true",
-                        help="prompts spelt out in pieces of a few letters (about 3x the positions of whole words; the reports before 2026-11-28 ran so)")
+                        help="prompts spelt out in pieces of a few letters (about 3x the positions of whole words)")
     parser.add_argument("--no-compile", action="store_true", help="the talker's decode step as a plain CUDA graph, not torch.compile'd (as the app's --no-compile)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--trace", type=Path, default=None, help="also write a torch.profiler trace (.json.gz) of one reply here")
