@@ -250,25 +250,40 @@ def snake_elements(channels: int) -> int:
     return 4 * channels  # alpha, beta and the exponentials derived from them
 
 
+def causal_conv_elements(inputs: int, outputs: int, kernel: int) -> int:
+    """`pipeline.codec.streaming.CausalConv1d` (dense): the conv and its weight copied tap-major for the
+    fused kernels (a 1-tap conv's tap-major form is a view, no memory of its own; so is a one-channel one's)."""
+    copy = 0 if kernel == 1 or inputs == outputs == 1 else inputs * outputs * kernel
+    return conv(inputs, outputs, kernel) + copy
+
+
+def transposed_conv_elements(inputs: int, outputs: int, kernel: int, stride: int, fused: bool = True) -> int:
+    """A transposed conv; `fused` (`pipeline.codec.streaming.CausalConvTranspose1d`): with its weight as the
+    taps of a convolution with `stride` x `outputs` channels (ceil(kernel / stride) taps) and its bias
+    repeated for each of them."""
+    derived = (-(-kernel // stride) * stride * outputs * inputs + stride * outputs) if fused else 0
+    return conv(inputs, outputs, kernel) + derived
+
+
 def residual_unit_elements(dim: int) -> int:
-    """`pipeline.codec.decoder.ResidualUnit`: two SnakeBetas, a 7-tap and a 1-tap conv, and the 7-tap conv's
-    weight copied tap-major (the 1-tap one's tap-major form is a view: no memory of its own; so is the
-    7-tap one's at one channel)."""
-    taps = 7 * dim * dim if dim > 1 else 0
-    return 2 * snake_elements(dim) + conv(dim, dim, 7) + conv(dim, dim, 1) + taps
+    """`pipeline.codec.decoder.ResidualUnit`: two SnakeBetas, a 7-tap and a 1-tap conv."""
+    return 2 * snake_elements(dim) + causal_conv_elements(dim, dim, 7) + causal_conv_elements(dim, dim, 1)
 
 
 def vocoder_dims(c: DecoderConfig) -> list[int]:
     return [c.decoder_dim // 2**i for i in range(len(c.upsample_rates) + 1)]
 
 
-def vocoder_elements(c: DecoderConfig, width: int) -> int:
-    """The upsampling stages (transposed conv + ConvNeXt) of `width` channels and the SnakeBeta conv vocoder after them."""
+def vocoder_elements(c: DecoderConfig, width: int, lookahead: bool = False) -> int:
+    """The upsampling stages (transposed conv + ConvNeXt) of `width` channels and the SnakeBeta conv vocoder
+    after them; `lookahead`: its transposed convs look one step ahead (Qwen3-Omni's code2wav) and stay PyTorch's."""
     dims = vocoder_dims(c)
-    total = sum(conv(width, width, ratio) + convnext_elements(width) for ratio in c.upsampling_ratios) + conv(width, dims[0], 7)
+    total = sum(transposed_conv_elements(width, width, ratio, ratio, not lookahead) + convnext_elements(width) for ratio in c.upsampling_ratios)
+    total += causal_conv_elements(width, dims[0], 7)
     for i, rate in enumerate(c.upsample_rates):
-        total += snake_elements(dims[i]) + conv(dims[i], dims[i + 1], 2 * rate) + 3 * residual_unit_elements(dims[i + 1])  # dilations 1, 3, 9
-    return total + snake_elements(dims[-1]) + conv(dims[-1], 1, 7)
+        total += (snake_elements(dims[i]) + transposed_conv_elements(dims[i], dims[i + 1], 2 * rate, rate, not lookahead)
+                  + 3 * residual_unit_elements(dims[i + 1]))  # dilations 1, 3, 9
+    return total + snake_elements(dims[-1]) + causal_conv_elements(dims[-1], 1, 7)
 
 
 def codec_decoder_elements(c: DecoderConfig) -> int:
@@ -278,7 +293,7 @@ def codec_decoder_elements(c: DecoderConfig) -> int:
     dim, q, size = c.codebook_dim // 2, c.num_quantizers, c.codebook_size
     quantizer = 2 * 2 * c.codebook_dim * dim + q * size * (1 + dim) + q * size * dim
     transformer = window_transformer_elements(c) + linear(c.latent_dim, c.hidden_size, bias=True) + linear(c.hidden_size, c.latent_dim, bias=True)
-    return quantizer + conv(c.codebook_dim, c.latent_dim, 3) + transformer + vocoder_elements(c, c.latent_dim)
+    return quantizer + causal_conv_elements(c.codebook_dim, c.latent_dim, 3) + transformer + vocoder_elements(c, c.latent_dim)
 
 
 def codec_bytes(codec: SpeechTokenizerConfig) -> int:
@@ -432,7 +447,7 @@ def omni_talker_elements(c: OmniTalkerConfig) -> int:
 def code2wav_elements(c: Code2WavConfig) -> int:
     """`pipeline.omni.code2wav.Code2Wav`'s floating-point elements: one embedding table for all codebooks, the
     transformer (no latent projections), and the upsampling stages and vocoder at the transformer's width."""
-    return c.codebook_size * c.num_quantizers * c.hidden_size + window_transformer_elements(c) + vocoder_elements(c, c.hidden_size)
+    return c.codebook_size * c.num_quantizers * c.hidden_size + window_transformer_elements(c) + vocoder_elements(c, c.hidden_size, lookahead=True)
 
 
 def thinker_elements(thinker: dict[str, Any]) -> int:

@@ -21,11 +21,11 @@ def compiled_variants() -> dict[str, int]:
     """Each of the engine's Triton kernels: how many compiled variants (specializations) it holds."""
     from triton.runtime.jit import JITFunction
 
-    from pipeline.codec import residual, snake
+    from pipeline.codec import convolution, snake
     from pipeline.kernels import decode, sampling
 
     return {f"{module.__name__}.{name}": sum(len(entry[0]) for entry in kernel.device_caches.values())
-            for module in (decode, sampling, residual, snake) for name, kernel in vars(module).items() if isinstance(kernel, JITFunction)}
+            for module in (decode, sampling, convolution, snake) for name, kernel in vars(module).items() if isinstance(kernel, JITFunction)}
 
 
 def torch_compiled_graphs() -> int:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.codec.config import DecoderConfig
-from pipeline.codec.residual import fused_residual_available, residual_unit
+from pipeline.codec.convolution import fused_convolutions_available, residual_unit
 from pipeline.codec.snake import snake_beta
 from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, StreamState, derive_unless_meta_, exact_float32_convolutions, rederive_after_load
 from pipeline.graphs import CUDAGraphed
@@ -61,8 +61,7 @@ class ConvNeXtBlock(nn.Module):
 
 
 class ResidualUnit(nn.Module):
-    """x + conv1x1(snake(conv7(snake(x)))): in three Triton kernels on CUDA (pipeline.codec.residual),
-    which read the convolutions' weights tap-major (`conv1_taps` [7, out, in], `conv2_taps` [1, out, in])."""
+    """x + conv1x1(snake(conv7(snake(x)))): in three Triton kernels on CUDA (pipeline.codec.convolution)."""
 
     def __init__(self, dim: int, dilation: int):
         super().__init__()
@@ -70,15 +69,9 @@ class ResidualUnit(nn.Module):
         self.conv1 = CausalConv1d(dim, dim, 7, dilation=dilation)
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, 1)
-        self.register_load_state_dict_post_hook(rederive_after_load)
-        derive_unless_meta_(self)
-
-    def _derive_(self) -> None:
-        for name, conv in (("conv1_taps", self.conv1), ("conv2_taps", self.conv2)):
-            self.register_buffer(name, conv.conv.weight.detach().permute(2, 0, 1).contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        if fused_residual_available(x):
+        if fused_convolutions_available(x):
             return residual_unit(self, x, state)
         return x + self.conv2(self.act2(self.conv1(self.act1(x), state)), state)
 

@@ -2,12 +2,15 @@
 
 Every stateful layer keeps the tail of its input in a preallocated `StreamState`, updated in place,
 so chunked decoding equals offline decoding whatever the chunk sizes, and a CUDA graph captured
-over the state stays valid.
+over the state stays valid. On a GPU with the fused kernels the convolutions run in
+pipeline.codec.convolution, reading the same state and weights.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pipeline.codec.convolution import causal_conv, conv_taps, fused_convolutions_available, transposed_conv, transposed_taps
 
 
 def rederive_after_load(module: nn.Module, incompatible_keys) -> None:
@@ -108,14 +111,25 @@ class _KeepsInputs(nn.Module):
 
 
 class CausalConv1d(_KeepsInputs):
-    """Stride-1 conv whose left context is the stream's previous input (zeros at the start)."""
+    """Stride-1 conv whose left context is the stream's previous input (zeros at the start). Dense
+    ones (groups=1) read their weight tap-major (`taps` [k, out, in]) in the fused kernels."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1):
         super().__init__()
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
         self.context = (kernel_size - 1) * dilation
+        self.fusable = groups == 1
+        if self.fusable:
+            self.register_load_state_dict_post_hook(rederive_after_load)
+            derive_unless_meta_(self)
+
+    def _derive_(self) -> None:
+        if self.fusable:
+            self.register_buffer("taps", conv_taps(self.conv.weight), persistent=False)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        if self.fusable and fused_convolutions_available(x):
+            return causal_conv(x, self.taps, self.conv.bias, self.conv.dilation[0], state[self] if self.context else None, state)
         if self.context:
             x = _history(self, x, state, self.context)
         return self.conv(x)
@@ -134,8 +148,17 @@ class CausalConvTranspose1d(_KeepsInputs):
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.stride = stride
         self.context = (kernel_size - 1) // stride
+        self.register_load_state_dict_post_hook(rederive_after_load)
+        derive_unless_meta_(self)
+
+    def _derive_(self) -> None:
+        # The fused kernels' form: a convolution over input steps whose outputs are the stride phases.
+        self.register_buffer("taps", transposed_taps(self.conv.weight, self.stride), persistent=False)
+        self.register_buffer("phase_bias", self.conv.bias.detach().repeat(self.stride), persistent=False)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        if fused_convolutions_available(x):
+            return transposed_conv(x, self.taps, self.phase_bias, self.stride, state[self] if self.context else None, state)
         n = x.shape[-1]
         if self.context:
             x = _history(self, x, state, self.context)

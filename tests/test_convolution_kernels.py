@@ -1,7 +1,8 @@
-"""The vocoder's fused residual unit (pipeline.codec.residual) against the module's PyTorch ops, in
+"""The vocoder's fused convolutions (pipeline.codec.convolution) against the modules' PyTorch ops, in
 Triton's interpreter on CPU (TRITON_INTERPRET=1, conftest.py) and on the GPU under CUDA: the same
-output and the same stream state, call after call, for any cut of the stream into calls; and a
-whole decoder built on it streams what it decodes offline."""
+output and the same stream state, call after call, for any cut of the stream into calls, for the
+residual unit, the plain causal convolutions and the transposed ones; and a whole decoder built on
+them streams what it decodes offline."""
 import copy
 
 import pytest
@@ -9,9 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from pipeline.codec import convolution  # noqa: E402
+from pipeline.codec.convolution import causal_conv, residual_unit, transposed_conv  # noqa: E402
 from pipeline.codec.decoder import ResidualUnit, SpeechDecoder  # noqa: E402
-from pipeline.codec.residual import residual_unit  # noqa: E402
-from pipeline.codec.streaming import StreamState, derive_all_, exact_float32_convolutions  # noqa: E402
+from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, StreamState, derive_all_, exact_float32_convolutions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -144,12 +146,87 @@ def test_fused_unit_reads_a_strided_input():
         assert_within(got, expected, unit_tolerance(unit, magnitudes, x, hidden, StreamState(magnitudes)))
 
 
+def test_fused_unit_reads_a_channels_last_input():
+    """The fused layers hand each other [B, C, T] views of channels-last buffers."""
+    unit = random_unit(40, 1)
+    magnitudes = magnitude_unit(unit)
+    x = torch.randn(2, 45, 40, generator=torch.Generator().manual_seed(4)).to(DEVICE).transpose(1, 2)
+    with torch.inference_mode():
+        expected, hidden = module_path(unit, x.contiguous(), StreamState(unit, batch_size=2))
+        got = residual_unit(unit, x, StreamState(unit, batch_size=2))
+        assert_within(got, expected, unit_tolerance(unit, magnitudes, x, hidden, StreamState(magnitudes, batch_size=2)))
+
+
+def random_layer(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 1.0 / (p[0].numel() ** 0.5 if p.dim() > 1 else 1.0))
+    derive_all_(layer)
+    return layer.to(DEVICE).eval()
+
+
+def magnitude_layer(layer: torch.nn.Module) -> torch.nn.Module:
+    """`layer` with |weight| and |bias| in float64: on |x| it sums the magnitudes of the products (and
+    the bias) that the layer sums, over the same stream history."""
+    magnitudes = copy.deepcopy(layer).double()
+    with torch.no_grad():
+        magnitudes.conv.weight.abs_()
+        magnitudes.conv.bias.abs_()
+    return magnitudes
+
+
+def conv_tolerance(sums: int, sizes: torch.Tensor) -> torch.Tensor:
+    """How far two float32 evaluations of sums of `sums` products and a bias, of magnitudes `sizes`, may be apart."""
+    return 2 * LAMBDA * UNIT_ROUNDOFF * (TERM_VARIANCE * (sums + 1)) ** 0.5 * sizes
+
+
+def fused_layer(layer: torch.nn.Module, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+    history = state[layer] if layer.context else None
+    if isinstance(layer, CausalConvTranspose1d):
+        return transposed_conv(x, layer.taps, layer.phase_bias, layer.stride, history, state)
+    return causal_conv(x, layer.taps, layer.conv.bias, layer.conv.dilation[0], history, state)
+
+
+# the vocoder's kinds: its first convolution (7 taps), the last (one output channel), a 1-tap one,
+# the decoder blocks' transposed convolutions (kernel 2 x stride) and the upsampling ones (kernel = stride)
+@pytest.mark.parametrize("make,taps", [
+    (lambda: CausalConv1d(40, 24, 7), 7), (lambda: CausalConv1d(16, 1, 7), 7), (lambda: CausalConv1d(24, 40, 1), 1),
+    (lambda: CausalConv1d(24, 40, 3, dilation=2), 3), (lambda: CausalConvTranspose1d(40, 24, 10, 5), 2),
+    (lambda: CausalConvTranspose1d(24, 16, 2, 2), 1), (lambda: CausalConvTranspose1d(16, 24, 7, 3), 3)])
+def test_fused_convolution_equals_the_modules_call_after_call(make, taps):
+    layer = random_layer(make(), taps)
+    magnitudes = magnitude_layer(layer)
+    ours, theirs, sizes = (StreamState(m, batch_size=2) for m in (layer, layer, magnitudes))
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for i, n in enumerate([5, 1, 70, 3]):
+            x = torch.randn(2, layer.conv.in_channels, n, generator=g).to(DEVICE)
+            x = x.transpose(1, 2).contiguous().transpose(1, 2) if i % 2 else x  # both layouts the layers pass on
+            with exact_float32_convolutions():
+                expected = layer(x, theirs)
+            got = fused_layer(layer, x, ours)
+            assert got.shape == expected.shape
+            assert_within(got, expected, conv_tolerance(taps * layer.conv.in_channels, magnitudes(x.double().abs(), sizes)))
+            for dtype, stored in theirs.flat.items():  # the stored inputs (none for a 1-tap convolution)
+                torch.testing.assert_close(ours.flat[dtype], stored, rtol=0, atol=0)
+
+
+def test_transposed_taps_cover_every_kernel_tap_once():
+    """Each kernel tap of a transposed convolution lands in exactly one (tap, phase) of its fused form."""
+    layer = CausalConvTranspose1d(3, 2, 7, 3)
+    with torch.no_grad():
+        layer.conv.weight.copy_(torch.arange(1, 43, dtype=torch.float32).view(3, 2, 7))
+    derive_all_(layer)
+    nonzero = layer.taps[layer.taps != 0]
+    assert sorted(nonzero.tolist()) == list(range(1, 43))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a whole decoder takes minutes in the interpreter")
 def test_a_decoder_on_the_fused_units_streams_what_it_decodes_offline(tiny_checkpoints, monkeypatch):
-    """The tiny codec decoder, every residual unit in the kernels (the GPU's default): chunked ==
-    offline, and offline equal to PyTorch's ops."""
+    """The tiny codec decoder, every convolution but the depthwise ones in the kernels (the GPU's
+    default): chunked == offline, and offline equal to PyTorch's ops."""
     from pipeline.codec import SpeechTokenizer
-    from pipeline.codec import decoder as decoder_module
 
     tokenizer = SpeechTokenizer.from_pretrained(tiny_checkpoints["base"] / "speech_tokenizer", device=DEVICE)
     decoder: SpeechDecoder = tokenizer.decoder
@@ -166,5 +243,5 @@ def test_a_decoder_on_the_fused_units_streams_what_it_decodes_offline(tiny_check
 
     offline = decode([37])
     torch.testing.assert_close(decode([1, 2, 4, 8, 16, 6]), offline, rtol=0, atol=1e-5)
-    monkeypatch.setattr(decoder_module, "fused_residual_available", lambda x: False)
+    monkeypatch.setattr(convolution, "fused_available", lambda device: False)
     torch.testing.assert_close(decode([37]), offline, rtol=0, atol=1e-5)
