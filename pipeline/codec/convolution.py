@@ -1,8 +1,9 @@
 """The vocoder's convolutions as Triton implicit GEMMs on the tensor cores, on CUDA.
 
-Every convolution of the codec decoder but the ConvNeXt blocks' depthwise ones runs here: the
-residual units (x + conv1x1(snake(conv7(snake(x)))), ~80% of the vocoder's arithmetic), the
-transposed convolutions that upsample, and the plain causal convolutions at either end. In
+Every dense convolution of the codec decoder runs here: the residual units (x +
+conv1x1(snake(conv7(snake(x)))), ~80% of the vocoder's arithmetic), the transposed convolutions that
+upsample, and the plain causal convolutions at either end. The ConvNeXt blocks' depthwise
+convolutions and Qwen3-Omni's look-ahead transposed ones stay PyTorch's. In
 PyTorch's ops each is a concatenation of the stream's history, a history update and a float32
 cuDNN convolution (SIMT: Hopper's tensor cores do not run float32; a transposed one in a slow
 `dgrad` kernel); a residual unit is about ten kernels. Here a layer is:
@@ -18,10 +19,10 @@ of each input step's output (`transposed_taps`): its channels-last output [B, T,
 upsampled [B, T x s, C], with no reordering.
 
 The convolutions run in 3xTF32 (each float32 operand split into a TF32 high part and a TF32
-remainder; three products): float32 accuracy at tensor-core speed (measured on an H100 at the real
-size: 6.6e-7 from PyTorch's float32 convolutions), not the 10-bit mantissa of plain TF32 (9.6e-5
-there). Tensor cores take float32 operands only with the reduction (channel) dimension contiguous,
-hence channels-last activations: each layer returns its output as a [B, C, T] view of a
+remainder; three products): float32 accuracy at tensor-core speed (a whole decode at the real size
+on an H200: 2.3e-6 from PyTorch's float32 ops), not the 10-bit mantissa of plain TF32 (9.2e-5 there).
+Tensor cores take float32 operands only with the reduction (channel) dimension contiguous, hence
+channels-last activations: each layer returns its output as a [B, C, T] view of a
 channels-last buffer, and reads its input in either layout. Every output sample sums its
 input-channel blocks and taps in one fixed order, whatever the call's length, so these layers
 round the same in a stream's chunks as in one offline call.
@@ -45,8 +46,8 @@ if TYPE_CHECKING:  # pipeline.codec.decoder imports this module
     from pipeline.codec.decoder import ResidualUnit, SnakeBeta
     from pipeline.codec.streaming import StreamState
 
-# Tiles from sweeps on an H100 and an H200 (docs/BENCHMARKS.md, "the vocoder's residual units in Triton", "every
-# convolution in Triton"): one stream's calls are fastest in 64 x 32 tiles (128-sample or 64-channel ones 1-7% slower);
+# Tiles from sweeps on an H100 and an H200 (docs/notebook/benchmarks-history.md, "the vocoder's residual units in
+# Triton", "the vocoder's other convolutions in Triton"): one stream's calls are fastest in 64 x 32 tiles (128-sample or 64-channel ones 1-7% slower);
 # calls of several streams (the batched lanes') in 64 x 64 tiles, 7% faster for 4 streams, 10% for 16.
 BLOCK_CO = 32  # output channels per program, one stream's calls
 WIDE_BLOCK_CO = 64  # output channels per program, calls of several streams
