@@ -257,12 +257,11 @@ def causal_conv_elements(inputs: int, outputs: int, kernel: int) -> int:
     return conv(inputs, outputs, kernel) + copy
 
 
-def transposed_conv_elements(inputs: int, outputs: int, kernel: int, stride: int, fused: bool = True) -> int:
-    """A transposed conv; `fused` (`pipeline.codec.streaming.CausalConvTranspose1d`): with its weight as the
-    taps of a convolution with `stride` x `outputs` channels (ceil(kernel / stride) taps) and its bias
-    repeated for each of them."""
-    derived = (-(-kernel // stride) * stride * outputs * inputs + stride * outputs) if fused else 0
-    return conv(inputs, outputs, kernel) + derived
+def transposed_conv_elements(inputs: int, outputs: int, kernel: int, stride: int) -> int:
+    """`pipeline.codec.streaming.CausalConvTranspose1d` (and its look-ahead form): the conv, its weight as
+    the taps of a convolution with `stride` x `outputs` channels (ceil(kernel / stride) taps) and its
+    bias repeated for each of them."""
+    return conv(inputs, outputs, kernel) + -(-kernel // stride) * stride * outputs * inputs + stride * outputs
 
 
 def residual_unit_elements(dim: int) -> int:
@@ -274,15 +273,13 @@ def vocoder_dims(c: DecoderConfig) -> list[int]:
     return [c.decoder_dim // 2**i for i in range(len(c.upsample_rates) + 1)]
 
 
-def vocoder_elements(c: DecoderConfig, width: int, lookahead: bool = False) -> int:
-    """The upsampling stages (transposed conv + ConvNeXt) of `width` channels and the SnakeBeta conv vocoder
-    after them; `lookahead`: its transposed convs look one step ahead (Qwen3-Omni's code2wav) and stay PyTorch's."""
+def vocoder_elements(c: DecoderConfig, width: int) -> int:
+    """The upsampling stages (transposed conv + ConvNeXt) of `width` channels and the SnakeBeta conv vocoder after them."""
     dims = vocoder_dims(c)
-    total = sum(transposed_conv_elements(width, width, ratio, ratio, not lookahead) + convnext_elements(width) for ratio in c.upsampling_ratios)
+    total = sum(transposed_conv_elements(width, width, ratio, ratio) + convnext_elements(width) for ratio in c.upsampling_ratios)
     total += causal_conv_elements(width, dims[0], 7)
     for i, rate in enumerate(c.upsample_rates):
-        total += (snake_elements(dims[i]) + transposed_conv_elements(dims[i], dims[i + 1], 2 * rate, rate, not lookahead)
-                  + 3 * residual_unit_elements(dims[i + 1]))  # dilations 1, 3, 9
+        total += snake_elements(dims[i]) + transposed_conv_elements(dims[i], dims[i + 1], 2 * rate, rate) + 3 * residual_unit_elements(dims[i + 1])  # dilations 1, 3, 9
     return total + snake_elements(dims[-1]) + causal_conv_elements(dims[-1], 1, 7)
 
 
@@ -447,7 +444,7 @@ def omni_talker_elements(c: OmniTalkerConfig) -> int:
 def code2wav_elements(c: Code2WavConfig) -> int:
     """`pipeline.omni.code2wav.Code2Wav`'s floating-point elements: one embedding table for all codebooks, the
     transformer (no latent projections), and the upsampling stages and vocoder at the transformer's width."""
-    return c.codebook_size * c.num_quantizers * c.hidden_size + window_transformer_elements(c) + vocoder_elements(c, c.hidden_size, lookahead=True)
+    return c.codebook_size * c.num_quantizers * c.hidden_size + window_transformer_elements(c) + vocoder_elements(c, c.hidden_size)
 
 
 def thinker_elements(thinker: dict[str, Any]) -> int:

@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("triton")
 
 from pipeline.codec import convolution  # noqa: E402
-from pipeline.codec.convolution import causal_conv, residual_unit, transposed_conv  # noqa: E402
+from pipeline.codec.convolution import residual_unit  # noqa: E402
 from pipeline.codec.decoder import ResidualUnit, SpeechDecoder  # noqa: E402
-from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, StreamState, derive_all_, exact_float32_convolutions  # noqa: E402
+from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, LookaheadConvTranspose1d, StreamState, derive_all_, exact_float32_convolutions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -181,20 +181,23 @@ def conv_tolerance(sums: int, sizes: torch.Tensor) -> torch.Tensor:
     return 2 * LAMBDA * UNIT_ROUNDOFF * (TERM_VARIANCE * (sums + 1)) ** 0.5 * sizes
 
 
-def fused_layer(layer: torch.nn.Module, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-    history = state[layer] if layer.context else None
-    if isinstance(layer, CausalConvTranspose1d):
-        return transposed_conv(x, layer.taps, layer.phase_bias, layer.stride, history, state)
-    return causal_conv(x, layer.taps, layer.conv.bias, layer.conv.dilation[0], history, state)
+def layer_call(layer: torch.nn.Module, x: torch.Tensor, state: StreamState, fused: bool, monkeypatch) -> torch.Tensor:
+    """The layer's own forward, in the kernels or in PyTorch's ops (each path's dispatch as the decoder runs it)."""
+    monkeypatch.setattr(convolution, "fused_available", lambda device: fused)
+    with exact_float32_convolutions():
+        return layer(x, state)
 
 
 # the vocoder's kinds: its first convolution (7 taps), the last (one output channel), a 1-tap one,
-# the decoder blocks' transposed convolutions (kernel 2 x stride) and the upsampling ones (kernel = stride)
+# the decoder blocks' transposed convolutions (kernel 2 x stride) and the upsampling ones (kernel = stride),
+# and Qwen3-Omni's look-ahead ones, whose first call is shorter
 @pytest.mark.parametrize("make,taps", [
     (lambda: CausalConv1d(40, 24, 7), 7), (lambda: CausalConv1d(16, 1, 7), 7), (lambda: CausalConv1d(24, 40, 1), 1),
     (lambda: CausalConv1d(24, 40, 3, dilation=2), 3), (lambda: CausalConvTranspose1d(40, 24, 10, 5), 2),
-    (lambda: CausalConvTranspose1d(24, 16, 2, 2), 1), (lambda: CausalConvTranspose1d(16, 24, 7, 3), 3)])
-def test_fused_convolution_equals_the_modules_call_after_call(make, taps):
+    (lambda: CausalConvTranspose1d(24, 16, 2, 2), 1), (lambda: CausalConvTranspose1d(16, 24, 7, 3), 3),
+    (lambda: LookaheadConvTranspose1d(40, 24, 10, 5), 2), (lambda: LookaheadConvTranspose1d(24, 16, 7, 4), 2),
+    (lambda: LookaheadConvTranspose1d(24, 16, 2, 2), 1)])
+def test_fused_convolution_equals_the_modules_call_after_call(make, taps, monkeypatch):
     layer = random_layer(make(), taps)
     magnitudes = magnitude_layer(layer)
     ours, theirs, sizes = (StreamState(m, batch_size=2) for m in (layer, layer, magnitudes))
@@ -203,13 +206,15 @@ def test_fused_convolution_equals_the_modules_call_after_call(make, taps):
         for i, n in enumerate([5, 1, 70, 3]):
             x = torch.randn(2, layer.conv.in_channels, n, generator=g).to(DEVICE)
             x = x.transpose(1, 2).contiguous().transpose(1, 2) if i % 2 else x  # both layouts the layers pass on
-            with exact_float32_convolutions():
-                expected = layer(x, theirs)
-            got = fused_layer(layer, x, ours)
+            expected = layer_call(layer, x, theirs, False, monkeypatch)
+            got = layer_call(layer, x, ours, True, monkeypatch)
+            bound = conv_tolerance(taps * layer.conv.in_channels, layer_call(magnitudes, x.double().abs(), sizes, False, monkeypatch))
             assert got.shape == expected.shape
-            assert_within(got, expected, conv_tolerance(taps * layer.conv.in_channels, magnitudes(x.double().abs(), sizes)))
+            assert_within(got, expected, bound)
             for dtype, stored in theirs.flat.items():  # the stored inputs (none for a 1-tap convolution)
                 torch.testing.assert_close(ours.flat[dtype], stored, rtol=0, atol=0)
+            for state in (ours, theirs, sizes):
+                state.started = True  # as the decoders mark it after a stream's first call
 
 
 def test_transposed_taps_cover_every_kernel_tap_once():

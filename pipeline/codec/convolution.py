@@ -1,9 +1,9 @@
 """The vocoder's convolutions as Triton implicit GEMMs on the tensor cores, on CUDA.
 
-Every dense convolution of the codec decoder runs here: the residual units (x +
-conv1x1(snake(conv7(snake(x)))), ~80% of the vocoder's arithmetic), the transposed convolutions that
-upsample, and the plain causal convolutions at either end. The ConvNeXt blocks' depthwise
-convolutions and Qwen3-Omni's look-ahead transposed ones stay PyTorch's. In
+Every dense convolution of the codec decoder and of Qwen3-Omni's code2wav runs here: the residual
+units (x + conv1x1(snake(conv7(snake(x)))), ~80% of the vocoder's arithmetic), the transposed
+convolutions that upsample, and the plain causal convolutions at either end. The ConvNeXt blocks'
+depthwise convolutions stay PyTorch's. In
 PyTorch's ops each is a concatenation of the stream's history, a history update and a float32
 cuDNN convolution (SIMT: Hopper's tensor cores do not run float32; a transposed one in a slow
 `dgrad` kernel); a residual unit is about ten kernels. Here a layer is:

@@ -166,26 +166,22 @@ class CausalConvTranspose1d(_KeepsInputs):
         return self.conv(x)[..., start:start + n * self.stride]
 
 
-class LookaheadConvTranspose1d(_KeepsInputs):
+class LookaheadConvTranspose1d(CausalConvTranspose1d):
     """Transposed conv trimmed by kernel - stride on both sides, as Qwen3-Omni's code2wav: output
     step t depends on input t // stride and the `context` inputs before or after it, so offline
     decoding never makes the last (kernel - stride) outputs, and a stream's output lags its input
     by the same amount (the look-ahead). Streaming keeps the last `context` inputs and emits, per
-    call, exactly the outputs that no later input can change: stride outputs per input, less
-    kernel - stride in a stream's first call. Concatenated, they equal the offline output.
+    call, exactly the outputs that no later input can change: stride outputs per input, the causal
+    transposed conv's, less the first kernel - stride in a stream's first call. Concatenated, they
+    equal the offline output.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
-        super().__init__()
         if kernel_size > 2 * stride:
             raise ValueError("a look-ahead transposed conv needs kernel_size <= 2 * stride")
-        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
-        self.stride, self.trim = stride, kernel_size - stride
-        self.context = -(-kernel_size // stride) - 1  # inputs whose outputs overlap the next input's
+        super().__init__(in_channels, out_channels, kernel_size, stride)
+        self.trim = kernel_size - stride
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        n = x.shape[-1]
-        if self.context:
-            x = _history(self, x, state, self.context)
-        start = self.context * self.stride + (0 if state.started else self.trim)
-        return self.conv(x)[..., start:(self.context + n) * self.stride]
+        out = super().forward(x, state)
+        return out if state.started else out[..., self.trim:]
