@@ -250,23 +250,16 @@ def snake_elements(channels: int) -> int:
     return 4 * channels  # alpha, beta and the exponentials derived from them
 
 
-def causal_conv_elements(inputs: int, outputs: int, kernel: int) -> int:
-    """`pipeline.codec.streaming.CausalConv1d` (dense): the conv and its weight copied tap-major for the
-    fused kernels (a 1-tap conv's tap-major form is a view, no memory of its own; so is a one-channel one's)."""
-    copy = 0 if kernel == 1 or inputs == outputs == 1 else inputs * outputs * kernel
-    return conv(inputs, outputs, kernel) + copy
-
-
 def transposed_conv_elements(inputs: int, outputs: int, kernel: int, stride: int) -> int:
-    """`pipeline.codec.streaming.CausalConvTranspose1d` (and its look-ahead form): the conv, its weight as
-    the taps of a convolution with `stride` x `outputs` channels (ceil(kernel / stride) taps) and its
-    bias repeated for each of them."""
-    return conv(inputs, outputs, kernel) + -(-kernel // stride) * stride * outputs * inputs + stride * outputs
+    """`pipeline.codec.streaming.CausalConvTranspose1d` (and its look-ahead form): the conv and its bias
+    repeated for each of the `stride` output phases of its fused form. (Where the fused kernels run, the
+    layers keep their weights tap-major and the parameters are views: no second copy.)"""
+    return conv(inputs, outputs, kernel) + stride * outputs
 
 
 def residual_unit_elements(dim: int) -> int:
     """`pipeline.codec.decoder.ResidualUnit`: two SnakeBetas, a 7-tap and a 1-tap conv."""
-    return 2 * snake_elements(dim) + causal_conv_elements(dim, dim, 7) + causal_conv_elements(dim, dim, 1)
+    return 2 * snake_elements(dim) + conv(dim, dim, 7) + conv(dim, dim, 1)
 
 
 def vocoder_dims(c: DecoderConfig) -> list[int]:
@@ -277,10 +270,10 @@ def vocoder_elements(c: DecoderConfig, width: int) -> int:
     """The upsampling stages (transposed conv + ConvNeXt) of `width` channels and the SnakeBeta conv vocoder after them."""
     dims = vocoder_dims(c)
     total = sum(transposed_conv_elements(width, width, ratio, ratio) + convnext_elements(width) for ratio in c.upsampling_ratios)
-    total += causal_conv_elements(width, dims[0], 7)
+    total += conv(width, dims[0], 7)
     for i, rate in enumerate(c.upsample_rates):
         total += snake_elements(dims[i]) + transposed_conv_elements(dims[i], dims[i + 1], 2 * rate, rate) + 3 * residual_unit_elements(dims[i + 1])  # dilations 1, 3, 9
-    return total + snake_elements(dims[-1]) + causal_conv_elements(dims[-1], 1, 7)
+    return total + snake_elements(dims[-1]) + conv(dims[-1], 1, 7)
 
 
 def codec_decoder_elements(c: DecoderConfig) -> int:
@@ -290,7 +283,7 @@ def codec_decoder_elements(c: DecoderConfig) -> int:
     dim, q, size = c.codebook_dim // 2, c.num_quantizers, c.codebook_size
     quantizer = 2 * 2 * c.codebook_dim * dim + q * size * (1 + dim) + q * size * dim
     transformer = window_transformer_elements(c) + linear(c.latent_dim, c.hidden_size, bias=True) + linear(c.hidden_size, c.latent_dim, bias=True)
-    return quantizer + causal_conv_elements(c.codebook_dim, c.latent_dim, 3) + transformer + vocoder_elements(c, c.latent_dim)
+    return quantizer + conv(c.codebook_dim, c.latent_dim, 3) + transformer + vocoder_elements(c, c.latent_dim)
 
 
 def codec_bytes(codec: SpeechTokenizerConfig) -> int:

@@ -3,6 +3,7 @@ Triton's interpreter on CPU (TRITON_INTERPRET=1, conftest.py) and on the GPU und
 output and the same stream state, call after call, for any cut of the stream into calls, for the
 residual unit, the plain causal convolutions and the transposed ones; and a whole decoder built on
 them streams what it decodes offline."""
+import contextlib
 import copy
 
 import pytest
@@ -18,6 +19,21 @@ from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, Lookah
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@contextlib.contextmanager
+def kernels(on: bool):
+    """The layers' dispatch as where the fused kernels run (on: Triton's interpreter on CPU) or as where they do not."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(convolution, "fused_available", lambda device: on)
+        yield
+
+
+def with_kernels(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` as loaded where the fused kernels run: its dense convolutions' weights tap-major."""
+    with kernels(True):
+        derive_all_(module)
+    return module
+
+
 def random_unit(channels: int, dilation: int) -> ResidualUnit:
     torch.manual_seed(channels + dilation)
     unit = ResidualUnit(channels, dilation)
@@ -25,13 +41,12 @@ def random_unit(channels: int, dilation: int) -> ResidualUnit:
         for name, p in unit.named_parameters():
             # SnakeBeta's alpha/beta away from 0; weights that keep activations near 1, where a wrong tap or channel shows
             p.normal_(0.0, 0.5 if name.endswith(("alpha", "beta")) else 1.5 / (p[0].numel() ** 0.5 if p.dim() > 1 else 1.0))
-    derive_all_(unit)
-    return unit.to(DEVICE).eval()
+    return with_kernels(unit.to(DEVICE).eval())
 
 
 def module_path(unit: ResidualUnit, x: torch.Tensor, state: StreamState) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unit's output and conv1's output (the input of the second SnakeBeta)."""
-    with exact_float32_convolutions():  # as SpeechDecoder runs it (PyTorch allows TF32 in cuDNN by default)
+    """The unit's output and conv1's output (the input of the second SnakeBeta), in PyTorch's ops."""
+    with kernels(False), exact_float32_convolutions():  # as SpeechDecoder runs it (PyTorch allows TF32 in cuDNN by default)
         hidden = unit.conv1(unit.act1(x), state)
         return x + unit.conv2(unit.act2(hidden), state), hidden
 
@@ -162,8 +177,7 @@ def random_layer(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 1.0 / (p[0].numel() ** 0.5 if p.dim() > 1 else 1.0))
-    derive_all_(layer)
-    return layer.to(DEVICE).eval()
+    return with_kernels(layer.to(DEVICE).eval())
 
 
 def magnitude_layer(layer: torch.nn.Module) -> torch.nn.Module:
@@ -181,10 +195,9 @@ def conv_tolerance(sums: int, sizes: torch.Tensor) -> torch.Tensor:
     return 2 * LAMBDA * UNIT_ROUNDOFF * (TERM_VARIANCE * (sums + 1)) ** 0.5 * sizes
 
 
-def layer_call(layer: torch.nn.Module, x: torch.Tensor, state: StreamState, fused: bool, monkeypatch) -> torch.Tensor:
+def layer_call(layer: torch.nn.Module, x: torch.Tensor, state: StreamState, fused: bool) -> torch.Tensor:
     """The layer's own forward, in the kernels or in PyTorch's ops (each path's dispatch as the decoder runs it)."""
-    monkeypatch.setattr(convolution, "fused_available", lambda device: fused)
-    with exact_float32_convolutions():
+    with kernels(fused), exact_float32_convolutions():
         return layer(x, state)
 
 
@@ -197,7 +210,7 @@ def layer_call(layer: torch.nn.Module, x: torch.Tensor, state: StreamState, fuse
     (lambda: CausalConvTranspose1d(24, 16, 2, 2), 1), (lambda: CausalConvTranspose1d(16, 24, 7, 3), 3),
     (lambda: LookaheadConvTranspose1d(40, 24, 10, 5), 2), (lambda: LookaheadConvTranspose1d(24, 16, 7, 4), 2),
     (lambda: LookaheadConvTranspose1d(24, 16, 2, 2), 1)])
-def test_fused_convolution_equals_the_modules_call_after_call(make, taps, monkeypatch):
+def test_fused_convolution_equals_the_modules_call_after_call(make, taps):
     layer = random_layer(make(), taps)
     magnitudes = magnitude_layer(layer)
     ours, theirs, sizes = (StreamState(m, batch_size=2) for m in (layer, layer, magnitudes))
@@ -206,9 +219,9 @@ def test_fused_convolution_equals_the_modules_call_after_call(make, taps, monkey
         for i, n in enumerate([5, 1, 70, 3]):
             x = torch.randn(2, layer.conv.in_channels, n, generator=g).to(DEVICE)
             x = x.transpose(1, 2).contiguous().transpose(1, 2) if i % 2 else x  # both layouts the layers pass on
-            expected = layer_call(layer, x, theirs, False, monkeypatch)
-            got = layer_call(layer, x, ours, True, monkeypatch)
-            bound = conv_tolerance(taps * layer.conv.in_channels, layer_call(magnitudes, x.double().abs(), sizes, False, monkeypatch))
+            expected = layer_call(layer, x, theirs, False)
+            got = layer_call(layer, x, ours, True)
+            bound = conv_tolerance(taps * layer.conv.in_channels, layer_call(magnitudes, x.double().abs(), sizes, False))
             assert got.shape == expected.shape
             assert_within(got, expected, bound)
             for dtype, stored in theirs.flat.items():  # the stored inputs (none for a 1-tap convolution)
@@ -217,14 +230,22 @@ def test_fused_convolution_equals_the_modules_call_after_call(make, taps, monkey
                 state.started = True  # as the decoders mark it after a stream's first call
 
 
-def test_transposed_taps_cover_every_kernel_tap_once():
-    """Each kernel tap of a transposed convolution lands in exactly one (tap, phase) of its fused form."""
-    layer = CausalConvTranspose1d(3, 2, 7, 3)
+@pytest.mark.parametrize("make", [lambda: CausalConv1d(3, 2, 7), lambda: CausalConvTranspose1d(3, 2, 6, 3)])
+def test_the_weights_are_held_once_tap_major_where_the_kernels_run(make):
+    """Where the kernels run the checkpoint's parameter is a view of the tap-major weight (one copy,
+    each kernel tap once); where they do not, it is plain and the layer has no taps; a move redoes it."""
+    layer = make()
     with torch.no_grad():
-        layer.conv.weight.copy_(torch.arange(1, 43, dtype=torch.float32).view(3, 2, 7))
-    derive_all_(layer)
-    nonzero = layer.taps[layer.taps != 0]
-    assert sorted(nonzero.tolist()) == list(range(1, 43))
+        layer.conv.weight.copy_(torch.arange(1, layer.conv.weight.numel() + 1, dtype=torch.float32).view(layer.conv.weight.shape))
+    expected = layer.conv.weight.detach().clone()
+    with_kernels(layer)
+    assert layer.taps.untyped_storage().data_ptr() == layer.conv.weight.untyped_storage().data_ptr()
+    assert sorted(layer.taps.flatten().tolist()) == list(range(1, layer.conv.weight.numel() + 1))
+    assert torch.equal(layer.conv.weight, expected)
+    with kernels(False):
+        layer.double()
+    assert layer.taps is None and layer.conv.weight.is_contiguous()
+    assert torch.equal(layer.conv.weight, expected.double())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a whole decoder takes minutes in the interpreter")

@@ -14,9 +14,11 @@ cuDNN convolution (SIMT: Hopper's tensor cores do not run float32; a transposed 
    a residual add (its end) in the epilogue, channels-last out.
 
 A residual unit is three such kernels plus the history update. A transposed convolution of stride
-s and kernel k is a convolution of ceil(k / s) taps whose s x out_channels outputs are the s phases
-of each input step's output (`transposed_taps`): its channels-last output [B, T, s x C] is the
-upsampled [B, T x s, C], with no reordering.
+s and kernel k (a multiple of s) is a convolution of k / s taps whose s x out_channels outputs are the
+s phases of each input step's output (`transposed_taps`): its channels-last output [B, T, s x C] is
+the upsampled [B, T x s, C], with no reordering. Where the kernels run, each layer keeps its weight
+in that tap-major form only, the checkpoint's parameter a view of it (`conv_weight`,
+`transposed_weight`): no second copy.
 
 The convolutions run in 3xTF32 (each float32 operand split into a TF32 high part and a TF32
 remainder; three products): float32 accuracy at tensor-core speed (a whole decode at the real size
@@ -67,22 +69,29 @@ def fused_convolutions_available(x: torch.Tensor) -> bool:
 
 
 def conv_taps(weight: torch.Tensor) -> torch.Tensor:
-    """A Conv1d weight [out, in, k] tap-major, as `_conv_kernel` reads it: [k, out, in]."""
+    """A Conv1d weight [out, in, k] tap-major, as `_conv_kernel` reads it: [k, out, in] (a copy)."""
     return weight.detach().permute(2, 0, 1).contiguous()
 
 
+def conv_weight(taps: torch.Tensor) -> torch.Tensor:
+    """The Conv1d weight [out, in, k] that `taps` holds, as a view of it."""
+    return taps.permute(1, 2, 0)
+
+
 def transposed_taps(weight: torch.Tensor, stride: int) -> torch.Tensor:
-    """A ConvTranspose1d weight [in, out, k] as the taps of a convolution over its input steps:
-    [ceil(k / stride), stride x out, in]. Output phase r (sample t x stride + r) of input step t
-    takes kernel tap r + j x stride from input t - j: tap `taps - 1 - j` of the convolution, which
-    reads its window oldest first."""
+    """A ConvTranspose1d weight [in, out, k], k a multiple of `stride`, as the taps of a convolution
+    over its input steps, newest input first: [k / stride, stride x out, in] (a copy). Output phase r
+    (sample t x stride + r) of input step t takes kernel tap r + j x stride from input t - j: tap j."""
     in_channels, out_channels, kernel = weight.shape
-    n_taps = -(-kernel // stride)
-    padded = weight.detach().new_zeros(in_channels, out_channels, n_taps * stride)
-    padded[..., :kernel] = weight.detach()
-    # [in, out, j, r] -> [j, r, out, in], then the taps reversed so that tap 0 reads the oldest input.
-    taps = padded.view(in_channels, out_channels, n_taps, stride).permute(2, 3, 1, 0).flip(0)
-    return taps.reshape(n_taps, stride * out_channels, in_channels).contiguous()
+    taps = weight.detach().view(in_channels, out_channels, kernel // stride, stride).permute(2, 3, 1, 0)
+    return taps.reshape(kernel // stride, stride * out_channels, in_channels).contiguous()
+
+
+def transposed_weight(taps: torch.Tensor, stride: int) -> torch.Tensor:
+    """The ConvTranspose1d weight [in, out, k] that `taps` holds, as a view of it."""
+    n_taps, phases, in_channels = taps.shape
+    out_channels = phases // stride
+    return taps.view(n_taps, stride, out_channels, in_channels).permute(3, 2, 0, 1).view(in_channels, out_channels, n_taps * stride)
 
 
 def causal_conv(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor, dilation: int, history: torch.Tensor | None,
@@ -99,7 +108,7 @@ def transposed_conv(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor, str
     phases) of x [B, in, T]: [B, out, T x stride]."""
     batch, _, length = x.shape
     window = _window(x, history, state)
-    out = _convolve(window, taps, bias, 1, length)  # [B, T, stride x out]
+    out = _convolve(window, taps, bias, 1, length, newest_first=True)  # [B, T, stride x out]
     return out.view(batch, length * stride, -1).transpose(1, 2)
 
 
@@ -130,18 +139,21 @@ def _window(x: torch.Tensor, history: torch.Tensor | None, state: "StreamState",
 
 
 def _convolve(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor, dilation: int, length: int,
-              snake: "SnakeBeta | None" = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+              snake: "SnakeBeta | None" = None, residual: torch.Tensor | None = None, newest_first: bool = False) -> torch.Tensor:
     """out[b, t, o] = bias[o] + sum_k,i taps[k, o, i] * window[b, t + k * dilation, i], for t < `length`
-    (window and out channels-last), then SnakeBeta (`snake`'s parameters) or + residual[b, o, t]."""
+    (window and out channels-last), then SnakeBeta (`snake`'s parameters) or + residual[b, o, t].
+    `newest_first`: tap k reads window[b, t + (taps - 1 - k) * dilation] instead."""
     n_taps, out_channels, in_channels = taps.shape
-    batch = window.shape[0]
+    batch, window_length = window.shape[:2]
+    if newest_first:  # the kernel walks the window backwards from its last tap's step
+        window, dilation = window[:, (n_taps - 1) * dilation:], -dilation
     out = torch.empty(batch, length, out_channels, device=window.device, dtype=window.dtype)
     block_co = WIDE_BLOCK_CO if batch > 1 else BLOCK_CO
     block_t = _time_block(length, triton.cdiv(out_channels, block_co) * batch)
     grid = (triton.cdiv(length, block_t), triton.cdiv(out_channels, block_co), batch)
     alpha, inv_beta = (snake.alpha_exp, snake.inv_beta) if snake is not None else (bias, bias)
     res = residual if residual is not None else out.transpose(1, 2)
-    launch(_conv_kernel, grid, window, taps, bias, alpha, inv_beta, res, out, in_channels, out_channels, window.shape[1], length, dilation,
+    launch(_conv_kernel, grid, window, taps, bias, alpha, inv_beta, res, out, in_channels, out_channels, window_length, length, dilation,
            res.stride(0), res.stride(1), res.stride(2),
            TAPS=n_taps, SNAKE=snake is not None, RESIDUAL=residual is not None, PRECISION=PRECISION,
            BLOCK_T=block_t, BLOCK_CO=block_co, BLOCK_CI=BLOCK_CI, num_warps=4, num_stages=3)
@@ -185,7 +197,8 @@ if triton is not None:
                      dilation, res_stride_b, res_stride_c, res_stride_t, TAPS: tl.constexpr, SNAKE: tl.constexpr,
                      RESIDUAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr,
                      BLOCK_CI: tl.constexpr):
-        """One [BLOCK_T, BLOCK_CO] tile of a dilated convolution of a channels-last window [B, x_length, Ci]."""
+        """One [BLOCK_T, BLOCK_CO] tile of a dilated convolution of a channels-last window [B, x_length, Ci]
+        (x_ptr at its step 0 of batch 0; a negative dilation reads the taps' steps backwards)."""
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_o = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)
         b = tl.program_id(2)

@@ -71,7 +71,7 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv1d(dim, dim, 1)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        if fused_convolutions_available(x):
+        if self.conv1.taps is not None and fused_convolutions_available(x):
             return residual_unit(self, x, state)
         return x + self.conv2(self.act2(self.conv1(self.act1(x), state)), state)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.codec.convolution import causal_conv, conv_taps, fused_convolutions_available, transposed_conv, transposed_taps
+from pipeline.codec.convolution import causal_conv, conv_taps, conv_weight, fused_convolutions_available, transposed_conv, transposed_taps, transposed_weight
 
 
 def rederive_after_load(module: nn.Module, incompatible_keys) -> None:
@@ -100,14 +100,32 @@ def _history(layer: nn.Module, x: torch.Tensor, state: StreamState, context: int
 
 
 class _KeepsInputs(nn.Module):
-    """A conv layer whose stream state is its last `context` inputs (zeros at a stream's start)."""
+    """A conv layer whose stream state is its last `context` inputs (zeros at a stream's start).
+
+    Where the fused kernels run (`fused_convolutions_available` for its weight), a layer that has a
+    fused form keeps its weight tap-major (`taps`), the checkpoint's parameter a view of it; elsewhere
+    `taps` is None and the parameter is plain. `_derive_` builds either after a load and after any
+    move or cast of the module (`_apply`)."""
 
     conv: nn.Module
     context: int
+    taps: torch.Tensor | None
 
     def init_state(self, batch_size: int, device, dtype):
         if self.context:
             return torch.zeros(batch_size, self.conv.in_channels, self.context, device=device, dtype=dtype)
+
+    def _derive_(self) -> None:
+        weight = self.conv.weight
+        taps = self._taps(weight) if self.fusable and fused_convolutions_available(weight) else None
+        # Set through .data: the parameter object (and its name in the state dict) stays.
+        weight.data = self._weight(taps) if taps is not None else weight.data.contiguous()
+        self.register_buffer("taps", taps, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._derive_()  # on the new device or dtype the kernels may run or not
+        return self
 
 
 class CausalConv1d(_KeepsInputs):
@@ -119,16 +137,20 @@ class CausalConv1d(_KeepsInputs):
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
         self.context = (kernel_size - 1) * dilation
         self.fusable = groups == 1
-        if self.fusable:
-            self.register_load_state_dict_post_hook(rederive_after_load)
-            derive_unless_meta_(self)
+        self.register_buffer("taps", None, persistent=False)
+        self.register_load_state_dict_post_hook(rederive_after_load)
+        derive_unless_meta_(self)
 
-    def _derive_(self) -> None:
-        if self.fusable:
-            self.register_buffer("taps", conv_taps(self.conv.weight), persistent=False)
+    @staticmethod
+    def _taps(weight: torch.Tensor) -> torch.Tensor:
+        return conv_taps(weight)
+
+    @staticmethod
+    def _weight(taps: torch.Tensor) -> torch.Tensor:
+        return conv_weight(taps)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        if self.fusable and fused_convolutions_available(x):
+        if self.taps is not None and fused_convolutions_available(x):
             return causal_conv(x, self.taps, self.conv.bias, self.conv.dilation[0], state[self] if self.context else None, state)
         if self.context:
             x = _history(self, x, state, self.context)
@@ -148,16 +170,24 @@ class CausalConvTranspose1d(_KeepsInputs):
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.stride = stride
         self.context = (kernel_size - 1) // stride
+        self.fusable = kernel_size % stride == 0  # the fused form's taps are whole strides of the kernel
+        self.register_buffer("taps", None, persistent=False)
         self.register_load_state_dict_post_hook(rederive_after_load)
         derive_unless_meta_(self)
 
-    def _derive_(self) -> None:
+    def _taps(self, weight: torch.Tensor) -> torch.Tensor:
         # The fused kernels' form: a convolution over input steps whose outputs are the stride phases.
-        self.register_buffer("taps", transposed_taps(self.conv.weight, self.stride), persistent=False)
+        return transposed_taps(weight, self.stride)
+
+    def _weight(self, taps: torch.Tensor) -> torch.Tensor:
+        return transposed_weight(taps, self.stride)
+
+    def _derive_(self) -> None:
+        super()._derive_()
         self.register_buffer("phase_bias", self.conv.bias.detach().repeat(self.stride), persistent=False)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        if fused_convolutions_available(x):
+        if self.taps is not None and fused_convolutions_available(x):
             return transposed_conv(x, self.taps, self.phase_bias, self.stride, state[self] if self.context else None, state)
         n = x.shape[-1]
         if self.context:
