@@ -248,6 +248,38 @@ def test_the_weights_are_held_once_tap_major_where_the_kernels_run(make):
     assert torch.equal(layer.conv.weight, expected.double())
 
 
+def test_a_small_decoder_on_the_kernels_streams_what_it_decodes_offline(tmp_path):
+    """A small variant of the tiny codec (two upsampling blocks, so that Triton's interpreter takes
+    seconds), loaded by the real loader as where the kernels run: every dense convolution in the
+    kernels, chunked == offline, and offline equal to PyTorch's ops."""
+    from pipeline.codec import SpeechTokenizer
+    from pipeline.tiny import TINY_SPEECH_TOKENIZER_CONFIG, write_tiny_speech_tokenizer
+
+    config = copy.deepcopy(TINY_SPEECH_TOKENIZER_CONFIG)
+    config["decoder_config"].update(upsample_rates=[2, 3], decoder_dim=32, num_hidden_layers=1)
+    config["decode_upsample_rate"] = 2 * 2 * 2 * 3  # the upsampling ratios (2, 2) and the rates
+    write_tiny_speech_tokenizer(tmp_path, seed=0, config=config)
+    with kernels(True):
+        decoder: SpeechDecoder = SpeechTokenizer.from_pretrained(tmp_path, device=DEVICE).decoder
+    fused = [m for m in decoder.modules() if getattr(m, "taps", None) is not None]
+    # the pre-conv, two upsampling transposed convs, the first conv, per block a transposed conv and 3 units of 2, the last conv
+    assert len(fused) == 1 + 2 + 1 + 2 * (1 + 3 * 2) + 1
+    codes = torch.randint(0, decoder.config.codebook_size, (1, 11, decoder.config.num_quantizers),
+                          generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    def decode(chunks: list[int], on: bool) -> torch.Tensor:
+        state, out, done = StreamState(decoder), [], 0
+        with kernels(on), torch.inference_mode():
+            for n in chunks:
+                out.append(decoder(codes[:, done:done + n], state)[0, 0])
+                done += n
+        return torch.cat(out)
+
+    offline = decode([11], True)
+    torch.testing.assert_close(decode([1, 2, 8], True), offline, rtol=0, atol=1e-5)
+    torch.testing.assert_close(decode([11], False), offline, rtol=0, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a whole decoder takes minutes in the interpreter")
 def test_a_decoder_on_the_fused_units_streams_what_it_decodes_offline(tiny_checkpoints, monkeypatch):
     """The tiny codec decoder, every convolution but the depthwise ones in the kernels (the GPU's
