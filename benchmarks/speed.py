@@ -51,11 +51,16 @@ def random_tts(size: str, model_type: str, device: str, dtype: torch.dtype, work
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
         model.talker.codec_head.weight[config.talker_config.codec_eos_token_id].zero_()
-    codec = SpeechTokenizer(SpeechTokenizerConfig())
-    randomize_speech_tokenizer_(codec, torch.Generator().manual_seed(0))
-    codec = codec.to(device=device).eval()  # float32, as TTS.from_pretrained loads it
+    codec = random_codec(device)
     generation = dict(GENERATION_CONFIG, max_new_tokens=4096)
     return TTS(model, load_text_tokenizer(workdir), codec, generation, f"random {size} {model_type}", **options)
+
+
+def random_codec(device: str) -> SpeechTokenizer:
+    """The released speech tokenizer with random weights, float32 on `device`, as TTS.from_pretrained loads it."""
+    codec = SpeechTokenizer(SpeechTokenizerConfig())
+    randomize_speech_tokenizer_(codec, torch.Generator().manual_seed(0))
+    return codec.to(device=device).eval()
 
 
 def request(frames: int, seed: int = 0, **fields) -> SpeechRequest:

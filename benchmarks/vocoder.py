@@ -18,18 +18,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.speed import RUNS, cuda_ms, report_header, write_report
-from pipeline.codec import SpeechTokenizer, SpeechTokenizerConfig
+from benchmarks.speed import RUNS, cuda_ms, random_codec, report_header, write_report
+from pipeline.codec import SpeechTokenizer
 from pipeline.codec.decoder import MultiStreamDecoder, SpeechDecoder, StreamingDecoder
-from pipeline.tiny import randomize_speech_tokenizer_, write_tiny_speech_tokenizer
+from pipeline.tiny import write_tiny_speech_tokenizer
 
 CHUNKS = (1, 2, 4, 16, 16, 25)  # a stream of 64 frames cut as the engine's first chunks and steady ones
-
-
-def released_decoder(device: str) -> SpeechDecoder:
-    codec = SpeechTokenizer(SpeechTokenizerConfig())
-    randomize_speech_tokenizer_(codec, torch.Generator().manual_seed(0))
-    return codec.to(device).eval().decoder
 
 
 def tiny_decoder(workdir: Path) -> SpeechDecoder:
@@ -145,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the benchmark needs a CUDA GPU (--tiny runs the tiny codec on the CPU)", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        decoder = tiny_decoder(Path(tmp)) if args.tiny else released_decoder("cuda")
+        decoder = tiny_decoder(Path(tmp)) if args.tiny else random_codec("cuda").decoder
         report = {**report_header("benchmarks.vocoder", argv, on_gpu=not args.tiny), "codec": "tiny" if args.tiny else "released",
                   "calls": args.calls,
                   "calls_ms": call_ms(decoder, args.slots, args.calls),

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.codec.config import DecoderConfig
-from pipeline.codec.convolution import fused_convolutions_available, residual_unit
+from pipeline.codec.convolution import residual_unit
 from pipeline.codec.snake import snake_beta
 from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, StreamState, derive_unless_meta_, exact_float32_convolutions, rederive_after_load
 from pipeline.graphs import CUDAGraphed
@@ -71,7 +71,7 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv1d(dim, dim, 1)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        if self.conv1.taps is not None and fused_convolutions_available(x):
+        if self.conv1.runs_fused(x):
             return residual_unit(self, x, state)
         return x + self.conv2(self.act2(self.conv1(self.act1(x), state)), state)
 

@@ -122,6 +122,10 @@ class _KeepsInputs(nn.Module):
         weight.data = self._weight(taps) if taps is not None else weight.data.contiguous()
         self.register_buffer("taps", taps, persistent=False)
 
+    def runs_fused(self, x: torch.Tensor) -> bool:
+        """Whether a call on `x` runs in the fused kernels: the layer holds its taps and they run for `x`."""
+        return self.taps is not None and fused_convolutions_available(x)
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self._derive_()  # on the new device or dtype the kernels may run or not
@@ -150,7 +154,7 @@ class CausalConv1d(_KeepsInputs):
         return conv_weight(taps)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        if self.taps is not None and fused_convolutions_available(x):
+        if self.runs_fused(x):
             return causal_conv(x, self.taps, self.conv.bias, self.conv.dilation[0], state[self] if self.context else None, state)
         if self.context:
             x = _history(self, x, state, self.context)
@@ -187,7 +191,7 @@ class CausalConvTranspose1d(_KeepsInputs):
         self.register_buffer("phase_bias", self.conv.bias.detach().repeat(self.stride), persistent=False)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        if self.taps is not None and fused_convolutions_available(x):
+        if self.runs_fused(x):
             return transposed_conv(x, self.taps, self.phase_bias, self.stride, state[self] if self.context else None, state)
         n = x.shape[-1]
         if self.context:
