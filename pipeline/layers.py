@@ -42,11 +42,12 @@ DETERMINISTIC_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q [N, M, D] @ k [N, S, D]^T in float32: half-precision inputs keep their float32 accumulation
-    (as SDPA's kernels do) rather than being rounded to bf16 before the softmax."""
-    if q.dtype == torch.float32 or q.device.type != "cuda":
-        return torch.bmm(q, k.transpose(1, 2)).float()
-    return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+    """q [N, M, D] @ k [N, S, D]^T in float32 (float64 stays float64): half-precision inputs keep their
+    float32 accumulation (as SDPA's kernels do) rather than being rounded to bf16 before the softmax."""
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+    scores = torch.bmm(q, k.transpose(1, 2))
+    return scores if scores.dtype == torch.float64 else scores.float()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

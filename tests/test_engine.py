@@ -324,6 +324,47 @@ def test_streamed_audio_equals_offline_decode_for_any_schedule(models):
         assert np.abs(audio - tts.decode(handle.codes)).max() <= 1e-5
 
 
+def test_the_scheduler_hears_what_audio_each_early_chunk_left_its_listener(models):
+    """Each chunk after a stream's first, through its schedule's length, reports when it reached the
+    listener and how much of the audio before it was still to play (playback from the first chunk):
+    less than all of it, later chunks later; the steady chunks after them report nothing."""
+    tts = models["voice_design"]
+    landings = tts.engine.scheduler.early_landings
+    before = len(landings)
+    chunks = list(tts.submit(SpeechRequest("Calm words, watched.", instruct="Calm.", greedy=True, max_frames=40, schedule=(1, 2, 4))))
+    assert [c.frames for c in chunks][:5] == [1, 2, 4, 4, 4]
+    heard = list(landings)[before:]
+    assert len(heard) == 3
+    audio_before = np.cumsum([c.frames for c in chunks])[:3] / 12.5
+    assert all(left < given for (_, left), given in zip(heard, audio_before))
+    assert [at for at, _ in heard] == sorted(at for at, _ in heard)
+
+
+def test_a_first_chunk_waits_for_the_second_while_early_chunks_land_late_and_the_audio_is_the_same(models):
+    """While the scheduler has heard of an early chunk landing late, a new stream's first chunk reaches
+    its listener with the second (not before it was ready); a stream of one chunk still gets it, at
+    its end; the audio is the same as a stream whose first chunk went at once."""
+    tts = models["voice_design"]
+    request = SpeechRequest("Calm words, held back.", instruct="Calm.", greedy=True, max_frames=12, schedule=(1, 2, 4))
+    at_once = list(tts.submit(request))
+    assert at_once[0].elapsed_ms < at_once[1].elapsed_ms
+    scheduler = tts.engine.scheduler
+    with tts.engine.lock:
+        shown, scheduler.best_early_left_s = scheduler.best_early_left_s, 1.0  # as a GPU that has landed early chunks in time
+        scheduler.early_landings.append((float("inf"), -0.01))  # one that landed late, never forgotten in this test
+    try:
+        waited = list(tts.submit(request))
+        alone = list(tts.submit(dataclasses.replace(request, max_frames=1)))
+    finally:
+        with tts.engine.lock:
+            scheduler.best_early_left_s = shown
+            scheduler.early_landings.clear()
+    assert waited[0].elapsed_ms >= waited[1].elapsed_ms
+    assert [c.frames for c in waited] == [c.frames for c in at_once]
+    np.testing.assert_array_equal(np.concatenate([c.audio for c in waited]), np.concatenate([c.audio for c in at_once]))
+    assert [c.frames for c in alone] == [1]
+
+
 def test_vocoder_lanes_change_nothing_in_the_audio(tiny_checkpoints, models):
     """A stream's first chunks and its steady chunks run in different vocoder lanes (working states)
     when there are several, as on CUDA, and two streams' steady chunks in two lanes: each row's

@@ -17,6 +17,7 @@ from pipeline.engine.scheduler import (
     BATCH_WAIT_FRAMES,
     EARLY_CHUNKS,
     FIRST_CHUNKS_MARGIN_S,
+    LATE_EARLY_CHUNK_HOLD_S,
     LOOP_FRAMES,
     SHOWN_ROWS,
     Admission,
@@ -417,6 +418,52 @@ def test_a_machine_that_never_ran_fast_enough_is_never_held():
     for name in "bc":
         sched.add(request(name, schedule=DEFAULT))
     assert [x.request.handle.name for x in sched.schedule(0.72).admitted] == ["b", "c"]
+
+
+def test_an_early_chunk_that_landed_late_makes_first_chunks_wait_for_a_while():
+    """A new stream's early chunk that reached its listener with under the margin of audio left (its
+    vocoder call waited on a loaded GPU): new streams' first chunks wait for their second until that
+    is LATE_EARLY_CHUNK_HOLD_S old; one that landed with the margin changes nothing. Admission goes on
+    as before meanwhile."""
+    sched, now = loaded(rows=3, running=1, shown=0.01, period=0.01)
+    sched.early_chunk_landed(now - 0.2, 0.05)  # this machine lands early chunks in time
+    assert not sched.starts_wait(now)
+    sched.early_chunk_landed(now, FIRST_CHUNKS_MARGIN_S / 2)
+    assert sched.starts_wait(now) and sched.starts_wait(now + LATE_EARLY_CHUNK_HOLD_S - 0.01)
+    sched.add(request("b", schedule=DEFAULT))
+    assert [x.request.handle.name for x in sched.schedule(now).admitted] == ["b"]
+    assert not sched.starts_wait(now + LATE_EARLY_CHUNK_HOLD_S + 0.01)
+    sched.early_chunk_landed(now + 0.6, FIRST_CHUNKS_MARGIN_S)
+    assert not sched.starts_wait(now + 0.6) and len(sched.early_landings) == 1  # the old ones are forgotten
+
+
+def test_late_early_chunks_change_nothing_where_none_ever_landed_in_time():
+    """A machine that has never landed an early chunk with the margin (a CPU with a tiny model, whose
+    every second chunk is late): first chunks never wait."""
+    sched = scheduler(rows=2)
+    sched.early_chunk_landed(0.0, -0.1)
+    sched.early_chunk_landed(0.1, FIRST_CHUNKS_MARGIN_S / 2)
+    assert not sched.starts_wait(0.1)
+
+
+def test_the_watched_chunks_are_a_streams_early_ones_of_frames_that_never_waited_for_text():
+    """The chunks whose landing the scheduler hears of: the second through the first repeat of the
+    schedule's last size; none of a stream whose frames waited for text (its pace is the text's). The
+    first chunk may wait for the second where the request's text was all there at its start."""
+    sched = scheduler(rows=2)
+    sched.add(request("a", schedule=(1, 2, 4)))
+    sched.add(request("b", schedule=(1, 2, 4)))
+    sched.schedule(0.0)
+    actions = []
+    for i in range(30):
+        actions += step(sched, sched.schedule(i * 0.01), {0: 10 + i} if i == 3 else {0: 10 + i, 1: 100 + i}, i * 0.01)
+    assert [e.watched for e in of(actions, Emit, "a")] == [False, True, True, True, False, False, False, False]
+    assert [e.watched for e in of(actions, Emit, "b")][:2] == [False, True] and not any(e.watched for e in of(actions, Emit, "b")[2:])
+    assert [e.may_wait for e in of(actions, Emit, "a")] == [True] + [False] * 7
+    streamed = scheduler(rows=1)
+    streamed.add(request("c", segments=[segment(text_end=False, trailing=3)]))
+    streamed.schedule(0.0)
+    assert not of(run(streamed, 1), Emit, "c")[0].may_wait
 
 
 def test_the_bound_is_the_waiting_requests_own_schedules_and_the_queue_stays_in_order():

@@ -133,6 +133,9 @@ class Handle:
         self._code_blocks: list[np.ndarray] = []
         self._closed = threading.Event()
         self._released = threading.Event()  # the engine holds nothing of this request any more
+        self._first_ready_at: float | None = None  # when its first chunk's audio was ready: playback could start there
+        self._audio_ready_s = 0.0  # audio of its chunks that were ready
+        self._waiting_chunk: Chunk | None = None  # its first chunk, where it waits for the second (Scheduler.starts_wait)
 
     @property
     def closed(self) -> bool:
@@ -182,6 +185,12 @@ class Handle:
             self._released.wait(CLOSE_TIMEOUT_S)
 
     # engine side
+    def _release_waiting_chunk(self) -> None:
+        """Its first chunk to the listener, where it waited for the second (or for the end)."""
+        if self._waiting_chunk is not None:
+            chunk, self._waiting_chunk = self._waiting_chunk, None
+            self._put(dataclasses.replace(chunk, elapsed_ms=(time.perf_counter() - self.submitted) * 1000.0))
+
     def _put(self, item) -> None:
         self._items.put(item)
 
@@ -250,6 +259,8 @@ class _Vocoded(_Delivery):
     timer: _Timer
     done: "torch.cuda.Event | None"
     audio_seconds: float
+    watched: bool  # the scheduler hears how much audio its listener had left when it landed
+    may_wait: bool  # a first chunk that goes out with the second where the scheduler says so
 
     def deliver(self) -> None:
         if self.done is not None:
@@ -257,8 +268,19 @@ class _Vocoded(_Delivery):
         self.wait_for_previous()
         handle = self.handle
         handle._code_blocks.append(self.codes)
-        elapsed = (time.perf_counter() - handle.submitted) * 1000.0
-        handle._put(Chunk(self.index, self.audio.numpy().copy(), len(self.codes), self.generate_ms, self.timer.ms(), elapsed, self.audio_seconds))
+        now = time.perf_counter()
+        chunk = Chunk(self.index, self.audio.numpy().copy(), len(self.codes), self.generate_ms, self.timer.ms(), (now - handle.submitted) * 1000.0,
+                      self.audio_seconds)
+        if handle._first_ready_at is None:
+            handle._first_ready_at = now
+        elif self.watched:
+            handle.engine.early_chunk_landed(now, handle._audio_ready_s - (now - handle._first_ready_at))
+        handle._audio_ready_s += self.audio.numel() / SAMPLE_RATE
+        if self.may_wait and handle.engine.starts_wait(now):
+            handle._waiting_chunk = chunk
+            return
+        handle._release_waiting_chunk()
+        handle._put(chunk)
 
 
 @dataclass
@@ -268,6 +290,7 @@ class _Finished(_Delivery):
 
     def deliver(self) -> None:
         self.wait_for_previous()
+        self.handle._release_waiting_chunk()
         self.handle._finish(self.error)
 
 
@@ -421,6 +444,16 @@ class Engine:
         for thread in (self.thread, *self.deliveries):  # the loop ends the delivery threads on its way out
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout)
+
+    def early_chunk_landed(self, at: float, left_s: float) -> None:
+        """A delivery thread has a watched chunk's audio for its listener (see `Scheduler.early_chunk_landed`)."""
+        with self.lock:
+            self.scheduler.early_chunk_landed(at, left_s)
+
+    def starts_wait(self, now: float) -> bool:
+        """Whether a first chunk that may wait goes out with its stream's second (`Scheduler.starts_wait`)."""
+        with self.lock:
+            return self.scheduler.starts_wait(now)
 
     def _ensure_thread(self) -> None:
         if self.thread is None or not self.thread.is_alive():
@@ -662,7 +695,7 @@ class Engine:
     def _deliver_vocoded(self, emit: Emit, audio: torch.Tensor, timer: "_Timer", done: "torch.cuda.Event | None") -> None:
         self.row_samples[emit.row] += audio.numel()
         self._post(emit.row, _Vocoded(emit.handle, emit.index, emit.codes, audio, emit.generate_ms, timer, done, self.row_samples[emit.row] / SAMPLE_RATE,
-                                      after=self.row_delivered[emit.row]))
+                                      emit.watched, emit.may_wait, after=self.row_delivered[emit.row]))
 
     def _post(self, row: int, item: "_Vocoded | _Finished") -> None:
         """Queue `item` behind the row's last vocoder call, in that call's lane, after the row's earlier items."""

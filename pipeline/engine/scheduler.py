@@ -49,6 +49,10 @@ SMOOTHING = 0.25  # weight of the newest measurement in the recent step and pref
 # would give 15 ms, a period a loaded H100 runs far above (its 64-row decode step alone is ~9 ms).
 FIRST_CHUNKS_MARGIN_S = 0.02
 SHOWN_ROWS = 2  # the queue waits for the bound only where the machine's fastest period fits this many rows in it
+# New streams' early chunks as their listeners get them (see `Scheduler.starts_wait`): one that landed
+# with under FIRST_CHUNKS_MARGIN_S of audio left makes new streams' first chunks wait for their second
+# this long.
+LATE_EARLY_CHUNK_HOLD_S = 0.5
 
 # The runaway guard (see `frame_budget`).
 EXPECTED_FRAMES_PER_TOKEN = 4
@@ -226,6 +230,7 @@ class RowState:
     chunk_index: int = 0
     audio_s: float = 0.0  # audio given to the listener
     first_chunk_at: float | None = None  # its playback starts there
+    waited: bool = False  # a frame of it waited for text (streamed text, Omni's thinker): its chunks' times are the text's
     cut: list[tuple[int, int]] = field(default_factory=list)  # (segment, frame budget) of the segments cut at their own limit
     warnings: list[str] = field(default_factory=list)
     segment_frames: list[int] = field(default_factory=list)  # frames of each segment that has ended
@@ -276,6 +281,8 @@ class Emit:
     codes: np.ndarray
     lane: int
     generate_ms: float  # the decode steps of its frames, and the prefills before them
+    watched: bool = False  # a chunk after the stream's first, through its schedule's length, of frames that never waited for text
+    may_wait: bool = False  # a first chunk whose request had all its text at the start: it may wait for the second (`Scheduler.starts_wait`)
 
 
 @dataclass
@@ -341,6 +348,8 @@ class Scheduler:
         self.fastest_s = math.inf  # the shortest recent frame period measured: what this machine has shown it can do
         self.prefill_s = 0.0  # a recent prefill
         self.last_frame_at: float | None = None
+        self.early_landings: deque[tuple[float, float]] = deque()  # (when, audio left) of watched chunks, the last LATE_EARLY_CHUNK_HOLD_S
+        self.best_early_left_s = -math.inf  # the most audio left that a watched chunk has landed with: what this machine has shown
 
     # ---- requests coming and going ---------------------------------------------------------
 
@@ -414,7 +423,7 @@ class Scheduler:
         free = [row for row, state in enumerate(self.rows) if state is None]
         running = [state for state in self.rows if state is not None]
         count = min(len(free), len(self.waiting), self.prefills_per_frame if running else len(free))
-        if running:
+        if running and count:
             leads = [(state.lead(now), state.frames_to_chunk()) for state in running if state.first_chunk_at is not None]
             count = next((k for k in range(count, 0, -1) if keeps_ahead(leads, len(running), k, self.step_s, self.prefill_s, self.margin_s)
                           and self._first_chunks_in_time(running, k)), 0)
@@ -445,6 +454,30 @@ class Scheduler:
                 return False
         return True
 
+    def early_chunk_landed(self, at: float, left_s: float) -> None:
+        """A watched chunk (`Emit.watched`) reached its listener at `at` with `left_s` of the audio before
+        it still to play (playback from its stream's first chunk; negative: the listener heard a gap)."""
+        self.early_landings.append((at, left_s))
+        self.best_early_left_s = max(self.best_early_left_s, left_s)
+        self._forget_landings(at)
+
+    def starts_wait(self, now: float) -> bool:
+        """Whether a new stream's first chunk (`Emit.may_wait`) goes to its listener with its second
+        rather than at once: while a watched chunk has landed within the last LATE_EARLY_CHUNK_HOLD_S
+        with under FIRST_CHUNKS_MARGIN_S of audio left (the time counted from the first chunk's
+        audio being ready, whether it waited or not). On a loaded GPU each early chunk's vocoder call
+        waits behind the others' and the batched steady calls, which the frame-period bounds of
+        admission do not see; playback that starts with two chunks has their audio to cover the
+        third's wait, and the first audio comes that much later instead of a gap after it. The
+        chunks are cut as ever: the audio is the same. Only where this machine has shown a watched
+        chunk landing with the margin: elsewhere (a CPU with a tiny model) every one is late."""
+        self._forget_landings(now)
+        return self.best_early_left_s >= FIRST_CHUNKS_MARGIN_S and any(left < FIRST_CHUNKS_MARGIN_S for _, left in self.early_landings)
+
+    def _forget_landings(self, now: float) -> None:
+        while self.early_landings and self.early_landings[0][0] < now - LATE_EARLY_CHUNK_HOLD_S:
+            self.early_landings.popleft()
+
     def update_from_output(self, schedule: Schedule, output: StepOutput) -> list[Action]:
         """Fold one step's frames into the rows it ran for; returns what to vocode, prefill and end, in order."""
         self._measure(output)
@@ -458,6 +491,7 @@ class Scheduler:
                 # Running but no frame: it waits for more text. Its pending frames wait too: chunks cut
                 # by the schedule alone keep a request's audio the same from run to run (the vocoder's
                 # floating-point result depends on how the frames are split into calls).
+                state.waited = True
                 continue
             state.generate_ms += output.prefill_ms.get(row, 0.0) + output.step_ms
             codes = np.array(output.codes[row])
@@ -543,7 +577,11 @@ class Scheduler:
     def _emit(self, state: RowState, now: float | None = None) -> Emit:
         """The row's pending frames as its next chunk."""
         codes = np.stack(state.pending)
-        emit = Emit(state.row, state.handle, state.chunk_index, codes, vocoder_lane(state.row, state.chunk_index, self.lanes), state.generate_ms)
+        watched = 0 < state.chunk_index <= len(state.request.job.schedule) and not state.waited
+        segment = state.request.segments[0]
+        may_wait = state.chunk_index == 0 and segment.text_end and not segment.awaits
+        emit = Emit(state.row, state.handle, state.chunk_index, codes, vocoder_lane(state.row, state.chunk_index, self.lanes), state.generate_ms,
+                    watched, may_wait)
         if state.first_chunk_at is None:
             state.first_chunk_at = now
         state.audio_s += len(codes) / FRAMES_PER_SECOND
