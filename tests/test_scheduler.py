@@ -511,6 +511,24 @@ def test_a_running_stream_in_its_first_chunks_holds_the_queue_as_a_new_one_would
     assert first.chunk_index > len(DEFAULT)  # not before "a" reached its steady chunks
 
 
+def test_streams_paced_by_their_text_hold_no_queue_for_their_first_chunks():
+    """A stream whose text streams in (Qwen3-Omni's talker, a text stream) gets its chunks at the text's
+    pace: frames too slow for a new stream's first chunks hold neither its own admission nor, while it
+    runs its first chunks, anyone else's; a stream of whole text is held as before."""
+    sched, now = loaded(rows=4, running=1, shown=0.01, period=0.05)
+    assert sched.step_s > longest_frame_period(DEFAULT)
+    sched.add(request("spoken", schedule=DEFAULT))
+    assert sched.schedule(now).admitted == []
+    paced = scheduler(rows=4)
+    paced.add(request("talker", schedule=DEFAULT, segments=[segment(text_end=False, trailing=40)]))
+    assert len(paced.schedule(0.0).admitted) == 1
+    run(paced, 3, period=0.01)
+    run(paced, 6, start=0.03, period=0.05)  # in its first chunks, frames far slower than their bound
+    assert 1 <= paced.rows[0].chunk_index <= len(DEFAULT) and paced.step_s > longest_frame_period(DEFAULT)
+    paced.add(request("next talker", schedule=DEFAULT, segments=[segment(text_end=False, trailing=40)]))
+    assert [x.request.handle.name for x in paced.schedule(0.33).admitted] == ["next talker"]
+
+
 # ---- batched vocoder calls ---------------------------------------------------------------------
 
 STEADY = (1, 2, 4, 8, BATCH_FRAMES)  # the default schedule: chunks 4 on are BATCH_FRAMES long

@@ -207,6 +207,12 @@ class Request:
     rest: Any = None  # the prompt's awaited last positions, when they come before admission (Handle.finish_prompt)
     ahead: int | None = None  # the queue position last announced
 
+    @property
+    def paced_by_text(self) -> bool:
+        """Its text streams in while it speaks (Qwen3-Omni's talker, a text stream): its chunks come
+        at the pace of the text, whatever the frames' pace."""
+        return not self.segments[0].text_end
+
 
 @dataclass(eq=False)
 class RowState:
@@ -282,7 +288,7 @@ class Emit:
     lane: int
     generate_ms: float  # the decode steps of its frames, and the prefills before them
     watched: bool = False  # a chunk after the stream's first, through its schedule's length, of frames that never waited for text
-    may_wait: bool = False  # a first chunk whose request had all its text at the start: it may wait for the second (`Scheduler.starts_wait`)
+    may_wait: bool = False  # a first chunk of a request not paced by its text: it may wait for the second (`Scheduler.starts_wait`)
 
 
 @dataclass
@@ -443,12 +449,14 @@ class Scheduler:
         that fits SHOWN_ROWS rows in its bound: there the frames get fast enough once running streams
         end, and a new stream fits beside another. Elsewhere (a CPU with a tiny model: 30-80 ms a
         frame) holding would run the queue one stream at a time, a far longer wait than the stalls it
-        spares. When nothing runs `schedule` admits without asking, so no queue waits for ever."""
+        spares. When nothing runs `schedule` admits without asking, so no queue waits for ever. A
+        stream paced by its text (`Request.paced_by_text`) holds nothing: faster frames would not bring
+        its chunks sooner, and holding its own admission only delays its first audio."""
         slower = self.step_s * (len(running) + admitted) / len(running)
         starting = [state.request for state in running if state.chunk_index <= len(state.request.job.schedule)]
         for request in [*starting, *itertools.islice(self.waiting, admitted)]:
             longest, early_frames = first_chunks_bound(tuple(request.job.schedule))
-            if self.fastest_s * SHOWN_ROWS > longest:
+            if self.fastest_s * SHOWN_ROWS > longest or request.paced_by_text:
                 continue
             if slower + admitted * self.prefill_s / early_frames > longest:
                 return False
@@ -578,8 +586,7 @@ class Scheduler:
         """The row's pending frames as its next chunk."""
         codes = np.stack(state.pending)
         watched = 0 < state.chunk_index <= len(state.request.job.schedule) and not state.waited
-        segment = state.request.segments[0]
-        may_wait = state.chunk_index == 0 and segment.text_end and not segment.awaits
+        may_wait = state.chunk_index == 0 and not state.request.paced_by_text
         emit = Emit(state.row, state.handle, state.chunk_index, codes, vocoder_lane(state.row, state.chunk_index, self.lanes), state.generate_ms,
                     watched, may_wait)
         if state.first_chunk_at is None:
