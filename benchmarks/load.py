@@ -355,6 +355,7 @@ def run_rate(target: Target, path: str, rate: float, duration: float, seed: int,
 
     if target.tts.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    waited_before = target.tts.engine.first_chunks_waited
     watch, threads, start = QueueWatch(target.tts), [], time.perf_counter()
     window = KernelWindow() if profile else None
     for arrival in arrivals:
@@ -377,7 +378,8 @@ def run_rate(target: Target, path: str, rate: float, duration: float, seed: int,
     watch.stop()
     result = summary([s for s in streams if s is not None], len(arrivals), wall, duration)
     result.update(size=target.name, path=path, rate=rate, duration_s=duration, seed=seed, cut=was_cut,
-                  max_waiting=watch.max_waiting, max_rows_busy=watch.max_busy, gpu_profile=gpu_profile, **gpu_peaks(target.tts))
+                  max_waiting=watch.max_waiting, max_rows_busy=watch.max_busy, first_chunks_waited=target.tts.engine.first_chunks_waited - waited_before,
+                  gpu_profile=gpu_profile, **gpu_peaks(target.tts))
     result["held"] = holds(result)
     return result
 
@@ -506,14 +508,14 @@ def markdown(report: dict) -> str:
              f"torch {report['torch']}; `{report['command']}`; {report['duration_s']:.0f} s of Poisson arrivals per rate (seed {report['seed']}), "
              f"sentences of 3-20 s of speech; random CustomVoice weights, {report['precision']}; time to first audio at the client.", "",
              "| model | rows | path | req/s | requests (completed) | TTFA p50 / p95 / p99 ms | streams stuttering | longest stall ms | "
-             "audio-s per s (offered) | most waiting | most rows busy | peak GPU GiB alloc / reserved | holds |",
-             "|---" * 13 + "|"]
+             "audio-s per s (offered) | most waiting | most rows busy | first chunks sent with the second | peak GPU GiB alloc / reserved | holds |",
+             "|---" * 14 + "|"]
     for r in report["results"]:
         t = r["ttfa_ms"]
         lines.append(f"| {r['size']} | {report['rows'][r['size']]} | {r['path']} | {r['rate']:g} | {r['requests']} ({r['completed']}) | "
                      f"{number(t['p50'])} / {number(t['p95'])} / {number(t['p99'])} | {r['stuttering_streams']} ({r['stutter_share']:.0%}) | "
                      f"{number(r['stall_ms_max'])} | {number(r['audio_s_per_s'], 1)} ({number(r['offered_audio_s_per_s'], 1)}) | {r['max_waiting']} | "
-                     f"{r['max_rows_busy']} | {number(r['gpu_peak_allocated_gib'], 1)} / {number(r['gpu_peak_reserved_gib'], 1)} | "
+                     f"{r['max_rows_busy']} | {r.get('first_chunks_waited', '-')} | {number(r['gpu_peak_allocated_gib'], 1)} / {number(r['gpu_peak_reserved_gib'], 1)} | "
                      f"{'yes' if r['held'] else 'no'} |")
     lines += ["", f"Highest rate holding p95 TTFA ≤ {TTFA_LIMIT_MS:.0f} ms with every request completed and no stream stuttering:"]
     for (size, path), rate in highest_held(report["results"]).items():

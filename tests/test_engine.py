@@ -342,8 +342,8 @@ def test_the_scheduler_hears_what_audio_each_early_chunk_left_its_listener(model
 
 def test_a_first_chunk_waits_for_the_second_while_early_chunks_land_late_and_the_audio_is_the_same(models):
     """While the scheduler has heard of an early chunk landing late, a new stream's first chunk reaches
-    its listener with the second (not before it was ready); a stream of one chunk still gets it, at
-    its end; the audio is the same as a stream whose first chunk went at once."""
+    its listener with the second, both stamped with that moment; a stream of one chunk still gets it,
+    at its end; the audio is the same as a stream whose first chunk went at once."""
     tts = models["voice_design"]
     request = SpeechRequest("Calm words, held back.", instruct="Calm.", greedy=True, max_frames=12, schedule=(1, 2, 4))
     at_once = list(tts.submit(request))
@@ -352,6 +352,7 @@ def test_a_first_chunk_waits_for_the_second_while_early_chunks_land_late_and_the
     with tts.engine.lock:
         shown, scheduler.best_early_left_s = scheduler.best_early_left_s, 1.0  # as a GPU that has landed early chunks in time
         scheduler.early_landings.append((float("inf"), -0.01))  # one that landed late, never forgotten in this test
+    counted = tts.engine.first_chunks_waited
     try:
         waited = list(tts.submit(request))
         alone = list(tts.submit(dataclasses.replace(request, max_frames=1)))
@@ -359,10 +360,11 @@ def test_a_first_chunk_waits_for_the_second_while_early_chunks_land_late_and_the
         with tts.engine.lock:
             scheduler.best_early_left_s = shown
             scheduler.early_landings.clear()
-    assert waited[0].elapsed_ms >= waited[1].elapsed_ms
+    assert waited[0].elapsed_ms == waited[1].elapsed_ms  # handed out together
     assert [c.frames for c in waited] == [c.frames for c in at_once]
     np.testing.assert_array_equal(np.concatenate([c.audio for c in waited]), np.concatenate([c.audio for c in at_once]))
     assert [c.frames for c in alone] == [1]
+    assert tts.engine.first_chunks_waited == counted + 2
 
 
 def test_vocoder_lanes_change_nothing_in_the_audio(tiny_checkpoints, models):

@@ -158,6 +158,7 @@ def test_the_tiny_runs_figures_add_up_from_its_streams(tiny_run):
         assert r["ttfa_ms"]["p50"] <= r["ttfa_ms"]["p95"] <= r["ttfa_ms"]["p99"] <= r["ttfa_ms"]["max"]
         stuttering = sum(bool(s["stalls_ms"]) for s in streams)
         assert r["stuttering_streams"] == stuttering and r["stutter_share"] == pytest.approx(stuttering / len(streams))
+        assert 0 <= r["first_chunks_waited"] <= len(streams)  # at most one first chunk a stream
         assert r["stall_ms_max"] == pytest.approx(max((max(s["stalls_ms"]) for s in streams if s["stalls_ms"]), default=0.0))
         assert r["audio_s_per_s"] == pytest.approx(r["audio_s"] / r["wall_s"])
         assert 1 <= r["max_rows_busy"] <= report["rows"]["tiny"] and r["max_waiting"] >= 0

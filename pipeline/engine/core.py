@@ -185,11 +185,11 @@ class Handle:
             self._released.wait(CLOSE_TIMEOUT_S)
 
     # engine side
-    def _release_waiting_chunk(self) -> None:
-        """Its first chunk to the listener, where it waited for the second (or for the end)."""
+    def _release_waiting_chunk(self, now: float) -> None:
+        """Its first chunk to the listener at `now`, where it waited for the second (or for the end)."""
         if self._waiting_chunk is not None:
             chunk, self._waiting_chunk = self._waiting_chunk, None
-            self._put(dataclasses.replace(chunk, elapsed_ms=(time.perf_counter() - self.submitted) * 1000.0))
+            self._put(dataclasses.replace(chunk, elapsed_ms=(now - self.submitted) * 1000.0))
 
     def _put(self, item) -> None:
         self._items.put(item)
@@ -276,10 +276,10 @@ class _Vocoded(_Delivery):
         elif self.watched:
             handle.engine.early_chunk_landed(now, handle._audio_ready_s - (now - handle._first_ready_at))
         handle._audio_ready_s += self.audio.numel() / SAMPLE_RATE
-        if self.may_wait and handle.engine.starts_wait(now):
+        if self.may_wait and handle.engine.first_chunk_waits(now):
             handle._waiting_chunk = chunk
             return
-        handle._release_waiting_chunk()
+        handle._release_waiting_chunk(now)
         handle._put(chunk)
 
 
@@ -290,7 +290,7 @@ class _Finished(_Delivery):
 
     def deliver(self) -> None:
         self.wait_for_previous()
-        self.handle._release_waiting_chunk()
+        self.handle._release_waiting_chunk(time.perf_counter())
         self.handle._finish(self.error)
 
 
@@ -340,6 +340,7 @@ class Engine:
         self.iteration = 0
         self.parked = False  # the loop waits for a command while its rows wait for text
         self.parks = 0  # times it has parked
+        self.first_chunks_waited = 0  # first chunks that went out with their stream's second
         self._allocate_buffers()
         # Capture now, every row idle: a capture's warm-up runs would advance live rows.
         capture_all(decoder.captures() + vocoder.captures(), progress)
@@ -450,10 +451,12 @@ class Engine:
         with self.lock:
             self.scheduler.early_chunk_landed(at, left_s)
 
-    def starts_wait(self, now: float) -> bool:
-        """Whether a first chunk that may wait goes out with its stream's second (`Scheduler.starts_wait`)."""
+    def first_chunk_waits(self, now: float) -> bool:
+        """Whether a first chunk that may wait goes out with its stream's second (`Scheduler.starts_wait`), counted."""
         with self.lock:
-            return self.scheduler.starts_wait(now)
+            waits = self.scheduler.starts_wait(now)
+            self.first_chunks_waited += waits
+            return waits
 
     def _ensure_thread(self) -> None:
         if self.thread is None or not self.thread.is_alive():
