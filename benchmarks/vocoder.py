@@ -36,8 +36,9 @@ def random_codes(decoder: SpeechDecoder, frames: int) -> torch.Tensor:
     return torch.randint(0, decoder.config.codebook_size, (frames, decoder.config.num_quantizers), generator=g).to(decoder.device)
 
 
-def timed_ms(fn, calls: int) -> float:
-    if torch.cuda.is_available():
+def timed_ms(fn, calls: int, device: torch.device) -> float:
+    """ms per call of `fn` running on `device`: CUDA events on a GPU, the host clock elsewhere."""
+    if device.type == "cuda":
         return statistics.median(cuda_ms(fn, calls) for _ in range(RUNS))
     import time
 
@@ -57,14 +58,14 @@ def call_ms(decoder: SpeechDecoder, slots: list[int], calls: int) -> dict[str, f
     single = MultiStreamDecoder(decoder, 1, use_cuda_graphs=graphs)
     for n in MultiStreamDecoder.CALL_SIZES:
         out = torch.empty(n * decoder.config.upsample, device=decoder.device)
-        result[f"1 stream, {n} frame{'s' if n > 1 else ''}"] = timed_ms(lambda: single.decode(0, codes[:n], out), calls)
+        result[f"1 stream, {n} frame{'s' if n > 1 else ''}"] = timed_ms(lambda: single.decode(0, codes[:n], out), calls, decoder.device)
     for count in slots:
         vocoder = MultiStreamDecoder(decoder, count, use_cuda_graphs=graphs, batch_lanes=1, slots=count)
         outs = [torch.empty(frames * decoder.config.upsample, device=decoder.device) for _ in range(count)]
         for row in range(count):  # past their first call, as steady chunks are
             vocoder.decode(row, codes[:1], outs[row][:decoder.config.upsample])
         rows, chunks = list(range(count)), [codes[1:1 + frames]] * count
-        result[f"{count} streams x {frames} frames"] = timed_ms(lambda: vocoder.decode_batch(rows, chunks, outs, 1), calls)
+        result[f"{count} streams x {frames} frames"] = timed_ms(lambda: vocoder.decode_batch(rows, chunks, outs, 1), calls, decoder.device)
     return result
 
 
