@@ -236,7 +236,6 @@ class RowState:
     chunk_index: int = 0
     audio_s: float = 0.0  # audio given to the listener
     first_chunk_at: float | None = None  # its playback starts there
-    waited: bool = False  # a frame of it waited for text (streamed text, Omni's thinker): its chunks' times are the text's
     cut: list[tuple[int, int]] = field(default_factory=list)  # (segment, frame budget) of the segments cut at their own limit
     warnings: list[str] = field(default_factory=list)
     segment_frames: list[int] = field(default_factory=list)  # frames of each segment that has ended
@@ -287,8 +286,10 @@ class Emit:
     codes: np.ndarray
     lane: int
     generate_ms: float  # the decode steps of its frames, and the prefills before them
-    watched: bool = False  # a chunk after the stream's first, through its schedule's length, of frames that never waited for text
-    may_wait: bool = False  # a first chunk of a request not paced by its text: it may wait for the second (`Scheduler.starts_wait`)
+    # Of a request not paced by its text: a chunk after the stream's first, through its schedule's length,
+    # whose landing the scheduler hears of; the first chunk, which may wait for the second (`Scheduler.starts_wait`).
+    watched: bool = False
+    may_wait: bool = False
 
 
 @dataclass
@@ -429,7 +430,7 @@ class Scheduler:
         free = [row for row, state in enumerate(self.rows) if state is None]
         running = [state for state in self.rows if state is not None]
         count = min(len(free), len(self.waiting), self.prefills_per_frame if running else len(free))
-        if running and count:
+        if running:
             leads = [(state.lead(now), state.frames_to_chunk()) for state in running if state.first_chunk_at is not None]
             count = next((k for k in range(count, 0, -1) if keeps_ahead(leads, len(running), k, self.step_s, self.prefill_s, self.margin_s)
                           and self._first_chunks_in_time(running, k)), 0)
@@ -499,7 +500,6 @@ class Scheduler:
                 # Running but no frame: it waits for more text. Its pending frames wait too: chunks cut
                 # by the schedule alone keep a request's audio the same from run to run (the vocoder's
                 # floating-point result depends on how the frames are split into calls).
-                state.waited = True
                 continue
             state.generate_ms += output.prefill_ms.get(row, 0.0) + output.step_ms
             codes = np.array(output.codes[row])
@@ -585,10 +585,9 @@ class Scheduler:
     def _emit(self, state: RowState, now: float | None = None) -> Emit:
         """The row's pending frames as its next chunk."""
         codes = np.stack(state.pending)
-        watched = 0 < state.chunk_index <= len(state.request.job.schedule) and not state.waited
-        may_wait = state.chunk_index == 0 and not state.request.paced_by_text
+        early = not state.request.paced_by_text and state.chunk_index <= len(state.request.job.schedule)
         emit = Emit(state.row, state.handle, state.chunk_index, codes, vocoder_lane(state.row, state.chunk_index, self.lanes), state.generate_ms,
-                    watched, may_wait)
+                    watched=early and state.chunk_index > 0, may_wait=early and state.chunk_index == 0)
         if state.first_chunk_at is None:
             state.first_chunk_at = now
         state.audio_s += len(codes) / FRAMES_PER_SECOND
