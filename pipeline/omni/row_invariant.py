@@ -97,7 +97,8 @@ class RowKV:
 
 class PackKV:
     """A pack's writes into the rows' caches: position t's key and value go to row `rows[t]` at `write_at[t]`
-    (its place in its prompt; the sink for an unused position), device tensors set before each pack."""
+    (its place in its prompt; the sink for an unused position), device tensors: `rows` set before each pack,
+    `write_at` derived at its start (in its graph) from the pack's positions."""
 
     def __init__(self, kv: RowKV, tokens: int):
         self.kv = kv

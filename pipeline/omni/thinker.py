@@ -449,7 +449,6 @@ class Thinker:
         tokens = self.pack_tokens
         rows = torch.zeros(tokens, dtype=torch.long)
         positions = torch.zeros(tokens, dtype=torch.long)
-        write_at = torch.full((tokens,), self.kv.sink, dtype=torch.long)
         last = torch.zeros(self.rows, dtype=torch.long)
         packed, used = [], 0
         for reply in prompts:
@@ -459,7 +458,7 @@ class Thinker:
             count = min(reply.length - first, tokens - used)
             self.pack_in[0, used:used + count].copy_(reply.embeds[0, first:first + count])
             rows[used:used + count] = reply.row
-            positions[used:used + count] = write_at[used:used + count] = torch.arange(first, first + count)
+            positions[used:used + count] = torch.arange(first, first + count)
             share = PromptShare(reply, first, count)
             if share.ends:
                 last[reply.row] = used + count - 1
@@ -467,7 +466,6 @@ class Thinker:
             used += count
         self.pack_in[0, used:].zero_()
         self.pack_kv.rows.copy_(rows)
-        self.pack_kv.write_at.copy_(write_at)
         self.pack_positions.copy_(positions)
         self.pack_used.copy_(torch.arange(tokens) < used)
         self.pack_last.copy_(last)
@@ -515,6 +513,8 @@ class Thinker:
         rows; the lower part reads the input embeddings and leaves its output where the upper part reads it, the
         upper part picks every row's next token from the row's `pack_last` position."""
         hidden = self.pack_in if first == 0 else self.pack_mid
+        if first == 0:  # an unused position writes at the sink, as an idle row does in the step
+            self.pack_kv.write_at.copy_(torch.where(self.pack_used, self.pack_positions, self.kv.sink))
         with self._kernels(self.pack_kernels):
             hidden = self._layers(hidden, self.pack_positions[None], None, self.pack_kv, first, last,
                                   token_rows=self.pack_kv.rows, token_lengths=self.pack_positions + 1)
