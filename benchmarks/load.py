@@ -4,7 +4,8 @@ For each request rate, Poisson arrivals for a fixed time (seeded); each request 
 SENTENCES (a seeded choice), which at the speaking rate of CHARS_PER_SECOND gives 3-20 s of speech,
 and asks for that many frames. Two clients, each on a run of its own with the same arrivals: in
 process (`ModelService.stream`, the UI's path) and through the HTTP API (`POST /v1/audio/speech`,
-streamed PCM read with httpx from the app's own routes, served by uvicorn in this process).
+streamed PCM read with httpx from the app's own routes, served by uvicorn in this process; the HTTP
+clients run in a process of their own, as a service's clients do).
 
 Measured at the client, per rate: time to first audio (p50 / p95 / p99) from the request to its first
 audio; the share of streams that stutter (a piece of audio arriving after the audio received before
@@ -345,36 +346,21 @@ def kernel_summary(events: list[dict]) -> dict:
 def run_rate(target: Target, path: str, rate: float, duration: float, seed: int, drain: float, profile: bool = False) -> dict:
     """One run: the arrivals of `workload(rate, duration, seed)` sent through `path`, each on its own thread at
     its time; after the last one, `drain` seconds at most for the streams to end, then the rest are cut.
-    `profile`: a KernelWindow over the arrivals, its summary in the result's `gpu_profile`."""
-    arrivals, listen = workload(rate, duration, seed), target.listener(path)
-    streams: list[Stream | None] = [None] * len(arrivals)
-    cut = threading.Event()
-
-    def client(arrival: Arrival) -> None:
-        streams[arrival.index] = listen(arrival, cut)
-
+    The HTTP clients run in a process of their own, as a service's clients do: their threads do not share
+    this process's interpreter with the engine and the server. `profile`: a KernelWindow over the
+    arrivals, its summary in the result's `gpu_profile`."""
+    arrivals = workload(rate, duration, seed)
     if target.tts.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     waited_before = target.tts.engine.first_chunks_waited
-    watch, threads, start = QueueWatch(target.tts), [], time.perf_counter()
+    watch = QueueWatch(target.tts)
     window = KernelWindow() if profile else None
-    for arrival in arrivals:
-        time.sleep(max(0.0, start + arrival.at - time.perf_counter()))
-        if window is not None:
-            window.tick(time.perf_counter() - start)
-        threads.append(threading.Thread(target=client, args=(arrival,), daemon=True))
-        threads[-1].start()
+    if path == "process":
+        streams, was_cut, wall = send(arrivals, lambda arrival, cut: listen_in_process(target.service, arrival, cut), duration + drain,
+                                      on_cut=lambda: cut_waiting(target.tts), tick=window.tick if window is not None else None)
+    else:
+        streams, was_cut, wall = send_from_a_client_process(target, arrivals, duration + drain, window)
     gpu_profile = window.summary() if window is not None else None
-    deadline = start + duration + drain
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.perf_counter()))
-    was_cut = any(thread.is_alive() for thread in threads)
-    if was_cut:
-        cut.set()
-        cut_waiting(target.tts)
-        for thread in threads:
-            thread.join(JOIN_GUARD_S)
-    wall = time.perf_counter() - start
     watch.stop()
     result = summary([s for s in streams if s is not None], len(arrivals), wall, duration)
     result.update(size=target.name, path=path, rate=rate, duration_s=duration, seed=seed, cut=was_cut,
@@ -382,6 +368,77 @@ def run_rate(target: Target, path: str, rate: float, duration: float, seed: int,
                   gpu_profile=gpu_profile, **gpu_peaks(target.tts))
     result["held"] = holds(result)
     return result
+
+
+def send(arrivals: list[Arrival], listen: Callable[[Arrival, threading.Event], Stream], horizon_s: float,
+         on_cut: Callable[[], None] | None = None, tick: Callable[[float], None] | None = None) -> tuple[list[Stream | None], bool, float]:
+    """Each arrival through `listen` on a thread of its own at its time (s after this call); the streams
+    given `horizon_s` from the start to end, then cut (`on_cut` ends the requests still waiting for a row).
+    `tick(elapsed)` at each arrival. Returns the streams, whether any was cut, and the run's wall time."""
+    streams: list[Stream | None] = [None] * len(arrivals)
+    cut = threading.Event()
+
+    def client(arrival: Arrival) -> None:
+        streams[arrival.index] = listen(arrival, cut)
+
+    threads, start = [], time.perf_counter()
+    for arrival in arrivals:
+        time.sleep(max(0.0, start + arrival.at - time.perf_counter()))
+        if tick is not None:
+            tick(time.perf_counter() - start)
+        threads.append(threading.Thread(target=client, args=(arrival,), daemon=True))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(max(0.0, start + horizon_s - time.perf_counter()))
+    was_cut = any(thread.is_alive() for thread in threads)
+    if was_cut:
+        cut.set()
+        if on_cut is not None:
+            on_cut()
+        for thread in threads:
+            thread.join(JOIN_GUARD_S)
+    return streams, was_cut, time.perf_counter() - start
+
+
+def send_from_a_client_process(target: Target, arrivals: list[Arrival], horizon_s: float,
+                               window: "KernelWindow | None") -> tuple[list[Stream | None], bool, float]:
+    """`send` over HTTP from a process of its own (`http_clients`); meanwhile this process ticks the kernel
+    window and, once the horizon has passed, ends the requests still waiting for a row."""
+    import multiprocessing
+    import queue
+
+    context = multiprocessing.get_context("spawn")
+    ready, results = context.Event(), context.Queue()
+    process = context.Process(target=http_clients, args=(target.url, arrivals, horizon_s, ready, results), daemon=True)
+    process.start()
+    if not ready.wait(JOIN_GUARD_S):
+        process.kill()
+        raise RuntimeError("the HTTP client process did not start")
+    start, waiting_cut = time.perf_counter(), False
+    while True:
+        try:
+            found = results.get(timeout=SAMPLE_EVERY_S * 10)
+            break
+        except queue.Empty:
+            if not process.is_alive():
+                raise RuntimeError(f"the HTTP client process ended without its streams (exit code {process.exitcode})") from None
+            if window is not None:
+                window.tick(time.perf_counter() - start)
+            if not waiting_cut and time.perf_counter() - start > horizon_s:
+                cut_waiting(target.tts)
+                waiting_cut = True
+    process.join()
+    return found
+
+
+def http_clients(url: str, arrivals: list[Arrival], horizon_s: float, ready, results) -> None:
+    """A client process's side of `send_from_a_client_process`: the arrivals sent with `send` through one
+    httpx client; (streams, whether any was cut, wall time) put on `results`."""
+    import httpx
+
+    with httpx.Client(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
+        ready.set()
+        results.put(send(arrivals, lambda arrival, cut: listen_http(client, url, arrival, cut), horizon_s))
 
 
 def summary(streams: list[Stream], sent: int, wall: float, duration: float) -> dict:

@@ -193,3 +193,14 @@ def test_streams_still_running_when_the_drain_ends_are_cut_and_counted(served_ti
     assert r["cut"] and r["requests"] == r["ended"] == len(load.workload(4.0, 1.0, seed=0))
     assert r["completed"] < r["requests"] and not r["held"]
     assert r["completed"] == sum(s["complete"] for s in r["streams"])
+
+
+def test_a_run_cut_at_its_horizon_ends_every_stream_on_both_paths(tmp_path):
+    """Streams still running (or waiting for a row) when the drain ends are cut, in process and from the
+    HTTP client process alike: every request ends, none with an error, and the run says whether it cut."""
+    assert load.main(["--tiny", "--rates", "4", "--duration", "2", "--drain", "1", "--keep-going", "--out", str(tmp_path)]) == 0
+    report = json.loads(next(tmp_path.glob("*-CPU-load-tiny.json")).read_text())
+    assert [r["path"] for r in report["results"]] == ["process", "http"]
+    for r in report["results"]:
+        assert r["ended"] == r["requests"] == len(load.workload(4.0, 2.0, seed=0)) and r["errors"] == 0, r["path"]
+        assert r["cut"] == (r["completed"] < r["requests"]), r["path"]
