@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import pipeline.kernels.decode as kernels
-from benchmarks.speed import RUNS, SIZES, kernels_per_frame, random_tts, report_header, request, step_ms, write_report
+from benchmarks.speed import RUNS, SIZES, kernels_per_frame, random_tts, report_header, request, rows_running, step_ms, write_report
 from pipeline.kernels.config import KernelConfig, Tiles
 from pipeline.tts import TTS
 
@@ -87,15 +87,23 @@ def timeline_profile(tts: TTS) -> dict:
     return charge_in_order([(name, start, end) for name, start, end, _ in step_kernels(tts)])
 
 
-def frame_shares(size: str, workdir: Path, config: KernelConfig) -> dict:
-    """`timeline_profile` of a 1-row fused engine, with its step's ms per frame."""
-    return on_one_row_engine(size, workdir, config, lambda tts: {"step_ms": step_ms(tts, 1), "kinds": timeline_profile(tts)})
+def frame_shares(size: str, workdir: Path, config: KernelConfig, rows: int = 1) -> dict:
+    """`timeline_profile` of a fused engine of `rows` rows, every row running, with its step's ms per frame."""
+    return on_own_engine(size, workdir, config, lambda tts: {"step_ms": step_ms(tts, rows), "kinds": running(tts, rows, timeline_profile)}, rows)
+
+
+def running(tts: TTS, rows: int, measure):
+    """`measure(tts)` with the engine's first `rows` rows running."""
+    with rows_running(tts, rows):
+        return measure(tts)
 
 
 def profile_markdown(report: dict) -> str:
     lines = []
     for size, timeline in report["timeline"].items():
-        lines += [f"{size}, engine of 1 row: {timeline['step_ms']:.3f} ms per frame. Each kind's share of one overlapped step "
+        rows = report.get("rows", 1)
+        lines += [f"{size}, engine of {rows} row{'s' if rows > 1 else ''}, all running: {timeline['step_ms']:.3f} ms per frame. "
+                  "Each kind's share of one overlapped step "
                   "(a kernel charged with how much later than the kernels before it it ends), and the kernels' own times with "
                   "overlapped launches off:", "",
                   "| kind | kernels | ms of the frame | us each | own ms, launches serial |", "|---|---|---|---|---|"]
@@ -113,9 +121,9 @@ def fused_engine(size: str, workdir: Path, rows: int, config: KernelConfig) -> T
     return random_tts(size, "custom_voice", "cuda", torch.bfloat16, workdir, rows=rows, fused=True, kernels=config)
 
 
-def on_one_row_engine(size: str, workdir: Path, config: KernelConfig, measure):
-    """`measure(tts)` of a 1-row fused engine built for this measurement alone (freed after it)."""
-    tts = fused_engine(size, workdir, 1, config)
+def on_own_engine(size: str, workdir: Path, config: KernelConfig, measure, rows: int = 1):
+    """`measure(tts)` of a fused engine of `rows` rows built for this measurement alone (freed after it)."""
+    tts = fused_engine(size, workdir, rows, config)
     result = measure(tts)
     del tts
     torch.cuda.empty_cache()
@@ -123,7 +131,7 @@ def on_one_row_engine(size: str, workdir: Path, config: KernelConfig, measure):
 
 
 def one_row_step_ms(size: str, workdir: Path, config: KernelConfig) -> float:
-    return on_one_row_engine(size, workdir, config, lambda tts: step_ms(tts, 1))
+    return on_own_engine(size, workdir, config, lambda tts: step_ms(tts, 1))
 
 
 def with_tiles(config: KernelConfig, key: tuple[str, int, int], t: Tiles) -> KernelConfig:
@@ -131,11 +139,11 @@ def with_tiles(config: KernelConfig, key: tuple[str, int, int], t: Tiles) -> Ker
     return dataclasses.replace(config, tuned=MappingProxyType({**config.tuned, key: t}))
 
 
-def serial_profile(size: str, workdir: Path, config: KernelConfig) -> dict:
-    """`profile_step` of the fused step with overlapped launches off: on, each kernel is launched
-    while the previous one runs and its measured time would include its wait for it. Not compiled:
-    the fused step runs no torch.compile'd code."""
-    return profile_step(fused_engine(size, workdir, 1, dataclasses.replace(config, overlap=False)))
+def serial_profile(size: str, workdir: Path, config: KernelConfig, rows: int = 1) -> dict:
+    """`profile_step` of the fused step with overlapped launches off (an engine of `rows` rows, all
+    running): on, each kernel is launched while the previous one runs and its measured time would
+    include its wait for it. Not compiled: the fused step runs no torch.compile'd code."""
+    return on_own_engine(size, workdir, dataclasses.replace(config, overlap=False), lambda tts: running(tts, rows, profile_step), rows)
 
 
 BEFORE_SWEEP = "the tiles before this run's sweep"
@@ -377,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampling", action="store_true", help="only the sampling kernel alone, top-k on and off, per vocabulary")
     parser.add_argument("--attention", action="store_true", help="only the talker's attention alone, per chunking and context length")
     parser.add_argument("--profile", action="store_true",
-                        help="only where the fused step's time goes (engine of 1 row): each kernel kind's share of the overlapped frame, "
-                             "and the kernels' own times with overlapped launches off")
+                        help="only where the fused step's time goes (an engine of --rows rows, all running): each kernel kind's share of the "
+                             "overlapped frame, and the kernels' own times with overlapped launches off")
+    parser.add_argument("--rows", type=int, default=1, help="with --profile: the engine's rows, all running (default 1)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     args.shapes = set(args.shapes) if args.shapes else None
@@ -399,10 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         if args.profile:
-            report = {**report_header("benchmarks.kernels", argv), "timeline": {}, "profile": {}}
+            report = {**report_header("benchmarks.kernels", argv), "rows": args.rows, "timeline": {}, "profile": {}}
             for size in args.sizes:
-                report["timeline"][size] = frame_shares(size, workdir, config)
-                report["profile"][size] = serial_profile(size, workdir, config)
+                report["timeline"][size] = frame_shares(size, workdir, config, args.rows)
+                report["profile"][size] = serial_profile(size, workdir, config, args.rows)
             write_report(args.out, "profile-" + "-".join(args.sizes), report, profile_markdown(report))
             return 0
         if args.step_sweep:

@@ -13,6 +13,7 @@ same seed alone and among other requests, graph against eager). Writes JSON and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
@@ -86,20 +87,29 @@ def cuda_ms(fn, repeat: int = 1) -> float:
     return (time.perf_counter() - start) * 1000.0 / repeat
 
 
-@torch.inference_mode()
+@contextlib.contextmanager
+def rows_running(tts: TTS, occupied: int):
+    """The engine's decoder with its first `occupied` rows running one short request each (the rest idle),
+    for stepping it directly (in inference mode, as the engine does); every row stopped afterwards."""
+    decoder = tts.engine.decoder
+    with torch.inference_mode():
+        job, _ = tts.prepare(request(1))
+        segment = job.segments[0]
+        frames_room = decoder.max_frames(segment.prompt.shape[1])
+        for row in range(occupied):
+            decoder.start(row, segment.prompt, segment.trailing, True, job.sampling, row, frames_room)
+        try:
+            yield decoder
+        finally:
+            for row in range(decoder.rows):
+                decoder.stop(row)
+
+
 def step_ms(tts: TTS, occupied: int, frames: int = 50) -> float:
     """The decode step alone, with `occupied` rows running (the rest idle)."""
-    decoder = tts.engine.decoder
-    job, _ = tts.prepare(request(1))
-    segment = job.segments[0]
-    frames_room = decoder.max_frames(segment.prompt.shape[1])
-    for row in range(occupied):
-        decoder.start(row, segment.prompt, segment.trailing, True, job.sampling, row, frames_room)
-    decoder.step()
-    step = statistics.median(cuda_ms(decoder.step, frames) for _ in range(RUNS))
-    for row in range(decoder.rows):
-        decoder.stop(row)
-    return step
+    with rows_running(tts, occupied) as decoder:
+        decoder.step()
+        return statistics.median(cuda_ms(decoder.step, frames) for _ in range(RUNS))
 
 
 @torch.inference_mode()

@@ -425,3 +425,15 @@ def test_a_load_reports_each_graph_captured_and_the_service_forgets_it_once_load
     assert service.load_progress("custom_voice") is None
     service.model("custom_voice")
     assert service.load_progress("custom_voice") is None and service.is_loaded("custom_voice")
+
+
+def test_a_benchmark_runs_the_first_rows_of_an_engine_then_stops_every_one(models):
+    """benchmarks.speed's `rows_running` (the decode step timed and profiled with n rows running): the first
+    n rows hold a request, the rest stay idle, a step runs over them, and every row is free afterwards."""
+    from benchmarks.speed import rows_running
+
+    tts = models["custom_voice"]
+    with rows_running(tts, 2) as decoder:
+        assert list(decoder.occupied) == [True, True, False]
+        decoder.step()
+    assert not any(decoder.occupied)
