@@ -42,6 +42,7 @@ import torch
 from benchmarks.ports import free_port
 from benchmarks.speed import random_tts, report_header, save_figure, write_report
 from pipeline.engine import Chunk
+from pipeline.engine.core import FirstChunkPath
 from pipeline.released import SIZES
 from pipeline.request import SpeechRequest
 from pipeline.server import Access, speech_routes
@@ -353,6 +354,7 @@ def run_rate(target: Target, path: str, rate: float, duration: float, seed: int,
     if target.tts.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     waited_before = target.tts.engine.first_chunks_waited
+    target.tts.engine.first_chunk_paths.clear()
     watch = QueueWatch(target.tts)
     window = KernelWindow() if profile else None
     if path == "process":
@@ -365,9 +367,29 @@ def run_rate(target: Target, path: str, rate: float, duration: float, seed: int,
     result = summary([s for s in streams if s is not None], len(arrivals), wall, duration)
     result.update(size=target.name, path=path, rate=rate, duration_s=duration, seed=seed, cut=was_cut,
                   max_waiting=watch.max_waiting, max_rows_busy=watch.max_busy, first_chunks_waited=target.tts.engine.first_chunks_waited - waited_before,
+                  first_chunk_path=first_chunk_stages(list(target.tts.engine.first_chunk_paths)),
                   gpu_profile=gpu_profile, **gpu_peaks(target.tts))
     result["held"] = holds(result)
     return result
+
+
+# The stages of a stream's first chunk in the engine (FirstChunkPath's points, ms after submission):
+# (name, its start point or None for the submission, its end point).
+FIRST_CHUNK_STAGES = (
+    ("queue", None, "admitted_ms"),
+    ("prefill and first step", "admitted_ms", "first_frame_ms"),
+    ("to the vocoder", "first_frame_ms", "vocoding_ms"),
+    ("vocoder and copy", "vocoding_ms", "ready_ms"),
+    ("held for the second", "ready_ms", "sent_ms"),
+    ("sent by the engine", None, "sent_ms"),
+)
+
+
+def first_chunk_stages(paths: list[FirstChunkPath]) -> dict[str, dict[str, float | None]]:
+    """p50 / p95 / p99 / max ms of each FIRST_CHUNK_STAGES stage over the streams' first chunks."""
+    def duration(path: FirstChunkPath, start: str | None, end: str) -> float:
+        return getattr(path, end) - (getattr(path, start) if start else 0.0)
+    return {name: percentiles([duration(p, start, end) for p in paths]) for name, start, end in FIRST_CHUNK_STAGES}
 
 
 def send(arrivals: list[Arrival], listen: Callable[[Arrival, threading.Event], Stream], horizon_s: float,
@@ -577,6 +599,15 @@ def markdown(report: dict) -> str:
     lines += ["", f"Highest rate holding p95 TTFA ≤ {TTFA_LIMIT_MS:.0f} ms with every request completed and no stream stuttering:"]
     for (size, path), rate in highest_held(report["results"]).items():
         lines.append(f"- {size}, {path}: {'none of those run' if rate is None else f'{rate:g} requests/s'}")
+    lines += ["", "Where the first audio's time goes in the engine (host clocks, ms after submission; p50 / p95), beside the client's "
+              "time to first audio:", "",
+              "| model | path | req/s | " + " | ".join(name for name, _, _ in FIRST_CHUNK_STAGES) + " | at the client |",
+              "|---" * (len(FIRST_CHUNK_STAGES) + 4) + "|"]
+    for r in report["results"]:
+        stages = r.get("first_chunk_path") or {}
+        cells = [f"{number(stages[name]['p50'], 1)} / {number(stages[name]['p95'], 1)}" if name in stages else "-" for name, _, _ in FIRST_CHUNK_STAGES]
+        lines.append(f"| {r['size']} | {r['path']} | {r['rate']:g} | " + " | ".join(cells) +
+                     f" | {number(r['ttfa_ms']['p50'], 1)} / {number(r['ttfa_ms']['p95'], 1)} |")
     profiled = [r for r in report["results"] if r.get("gpu_profile")]
     if profiled:
         lines += ["", "GPU kernels in a profiled window of each run (the profiler slows the run), ms per CUDA stream (its heaviest kernel):"]

@@ -159,6 +159,10 @@ def test_the_tiny_runs_figures_add_up_from_its_streams(tiny_run):
         stuttering = sum(bool(s["stalls_ms"]) for s in streams)
         assert r["stuttering_streams"] == stuttering and r["stutter_share"] == pytest.approx(stuttering / len(streams))
         assert 0 <= r["first_chunks_waited"] <= len(streams)  # at most one first chunk a stream
+        # The engine hands each stream its first chunk before its client has it: every order statistic is earlier.
+        sent = r["first_chunk_path"]["sent by the engine"]
+        assert all(0 <= sent[q] <= r["ttfa_ms"][q] for q in ("p50", "p95", "p99", "max")), (sent, r["ttfa_ms"])
+        assert all(stage["p50"] >= 0 for stage in r["first_chunk_path"].values())
         assert r["stall_ms_max"] == pytest.approx(max((max(s["stalls_ms"]) for s in streams if s["stalls_ms"]), default=0.0))
         assert r["audio_s_per_s"] == pytest.approx(r["audio_s"] / r["wall_s"])
         assert 1 <= r["max_rows_busy"] <= report["rows"]["tiny"] and r["max_waiting"] >= 0
@@ -173,6 +177,7 @@ def test_the_tiny_run_writes_its_table_and_plot(tiny_run):
     assert report["command"].startswith("python -m benchmarks.load --tiny")
     assert text.count("| tiny | 4 |") == len(report["results"])
     assert "Highest rate holding p95 TTFA" in text
+    assert all(f"| tiny | {path} | 1 |" in text for path in load.PATHS)  # where the first audio's time goes, per path
     (png,) = out.glob("*-CPU-load-tiny.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

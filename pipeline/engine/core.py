@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ from pipeline.graphs import capture_all
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 10.0
+FIRST_CHUNK_PATHS_KEPT = 10_000
 
 
 @dataclass
@@ -91,6 +93,19 @@ class FinishPrompt:
 Command = Cancel | AppendText | FinishPrompt
 
 
+@dataclass(frozen=True)
+class FirstChunkPath:
+    """Where a stream's time to its first audio went: host times in ms after `submit`, each step of
+    the way of its first chunk. A stream whose first chunk waited for its second is `sent` later than
+    `ready`; a stream paced by its text (Omni's talker) waits for that text between `admitted` and
+    `first_frame` too."""
+
+    admitted_ms: float  # a row taken: its prefill enqueued on the decode stream
+    first_frame_ms: float  # its first frame on the host: the step that made it has completed
+    vocoding_ms: float  # its first chunk's vocoder call enqueued
+    ready_ms: float  # that chunk's audio on the host
+    sent_ms: float  # handed to its listener
+
 
 class Mailbox(queue.Queue):
     """Items from producer threads to one consumer, who either blocks in `get` or, without a thread
@@ -136,6 +151,7 @@ class Handle:
         self._first_ready_at: float | None = None  # when its first chunk's audio was ready: playback could start there
         self._audio_ready_s = 0.0  # audio of its chunks that were ready
         self._waiting_chunk: Chunk | None = None  # its first chunk, where it waits for the second (Scheduler.starts_wait)
+        self._first_chunk_stamps: dict[str, float] = {}  # FirstChunkPath's fields so far, each written once by one thread
 
     @property
     def closed(self) -> bool:
@@ -185,10 +201,20 @@ class Handle:
             self._released.wait(CLOSE_TIMEOUT_S)
 
     # engine side
+    def _stamp(self, point: str, now: float) -> None:
+        """Note when its first chunk passed `point` (a FirstChunkPath field), the first time only; once
+        it is `sent_ms`, the engine keeps the whole path."""
+        if point in self._first_chunk_stamps:
+            return
+        self._first_chunk_stamps[point] = (now - self.submitted) * 1000.0
+        if point == "sent_ms" and len(self._first_chunk_stamps) == len(dataclasses.fields(FirstChunkPath)):
+            self.engine.first_chunk_paths.append(FirstChunkPath(**self._first_chunk_stamps))
+
     def _release_waiting_chunk(self, now: float) -> None:
         """Its first chunk to the listener at `now`, where it waited for the second (or for the end)."""
         if self._waiting_chunk is not None:
             chunk, self._waiting_chunk = self._waiting_chunk, None
+            self._stamp("sent_ms", now)
             self._put(dataclasses.replace(chunk, elapsed_ms=(now - self.submitted) * 1000.0))
 
     def _put(self, item) -> None:
@@ -273,6 +299,7 @@ class _Vocoded(_Delivery):
                       self.audio_seconds)
         if handle._first_ready_at is None:
             handle._first_ready_at = now
+            handle._stamp("ready_ms", now)
         elif self.watched:
             handle.engine.early_chunk_landed(now, handle._audio_ready_s - (now - handle._first_ready_at))
         handle._audio_ready_s += self.audio.numel() / SAMPLE_RATE
@@ -280,6 +307,7 @@ class _Vocoded(_Delivery):
             handle._waiting_chunk = chunk
             return
         handle._release_waiting_chunk(now)
+        handle._stamp("sent_ms", now)
         handle._put(chunk)
 
 
@@ -341,6 +369,8 @@ class Engine:
         self.parked = False  # the loop waits for a command while its rows wait for text
         self.parks = 0  # times it has parked
         self.first_chunks_waited = 0  # first chunks that went out with their stream's second
+        # The latest streams' FirstChunkPath, for a benchmark to read (appended by the delivery threads).
+        self.first_chunk_paths: deque[FirstChunkPath] = deque(maxlen=FIRST_CHUNK_PATHS_KEPT)
         self._allocate_buffers()
         # Capture now, every row idle: a capture's warm-up runs would advance live rows.
         capture_all(decoder.captures() + vocoder.captures(), progress)
@@ -576,6 +606,7 @@ class Engine:
 
     def _admit(self, admission: Admission) -> None:
         row, request = admission.row, admission.request
+        request.handle._stamp("admitted_ms", time.perf_counter())
         self.row_samples[row] = 0
         self.row_delivered[row] = None
         try:
@@ -633,9 +664,16 @@ class Engine:
         produced = self.host_produced[slot].numpy()
         output = StepOutput(produced, self.host_codes[slot].numpy(), self.host_token[slot].numpy(), time.perf_counter(), self.gen_timer[slot].ms(),
                             self._prefills_read(launch.schedule, produced))
+        self._stamp_first_frames(produced, output.now)
         with self.lock:
             actions = self.scheduler.update_from_output(launch.schedule, output)
         self._carry_out(actions)
+
+    def _stamp_first_frames(self, produced: np.ndarray, now: float) -> None:
+        for row in np.flatnonzero(produced):
+            state = self.scheduler.rows[row]
+            if state is not None:
+                state.handle._stamp("first_frame_ms", now)
 
     def _prefills_read(self, schedule: Schedule, produced: np.ndarray) -> dict[int, float]:
         """The prefill time of each row whose segment made its first frame in this step (its prefills have completed)."""
@@ -696,6 +734,7 @@ class Engine:
         return codes.pin_memory() if self.cuda else codes
 
     def _deliver_vocoded(self, emit: Emit, audio: torch.Tensor, timer: "_Timer", done: "torch.cuda.Event | None") -> None:
+        emit.handle._stamp("vocoding_ms", time.perf_counter())
         self.row_samples[emit.row] += audio.numel()
         self._post(emit.row, _Vocoded(emit.handle, emit.index, emit.codes, audio, emit.generate_ms, timer, done, self.row_samples[emit.row] / SAMPLE_RATE,
                                       emit.watched, emit.may_wait, after=self.row_delivered[emit.row]))
