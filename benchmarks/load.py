@@ -10,10 +10,13 @@ clients run in a process of their own, as a service's clients do).
 Measured at the client, per rate: time to first audio (p50 / p95 / p99) from the request to its first
 audio; the share of streams that stutter (a piece of audio arriving after the audio received before
 it has played: playback starts at the first piece, and resumes with the piece that ends a stall);
-audio-seconds delivered per second of the run; in the engine, the most requests waiting for a row
-and the most rows busy; GPU memory at its peak (allocated, reserved). A sweep over rates stops after
+audio-seconds delivered per second of the run; in the engine, the most requests waiting for a row,
+the most rows busy and where the streams' first chunks spent their time (pipeline.engine's
+FirstChunkPath); GPU memory at its peak (allocated, reserved). A sweep over rates stops after
 the first rate whose p95 time to first audio is over 100 ms, where a stream stutters, or where a
-request fails or is cut (`--keep-going` runs every rate). `--profile`: torch.profiler over a window of
+request fails or is cut (`--keep-going` runs every rate). `--repeats N` runs each rate N times with the
+same arrivals, one after another, to show the spread from run to run; a rate holds only where every run
+of it holds. `--profile`: torch.profiler over a window of
 each run's arrivals (PROFILE_AT_S in, PROFILE_FOR_S long), reporting GPU kernel time per CUDA stream
 (the decode step's and each vocoder lane's) and the share of the window some kernel ran; the
 profiler slows the run, so a profiled run's other figures are not comparable with an unprofiled one's.
@@ -27,6 +30,7 @@ script. Writes JSON, markdown and a PNG (with matplotlib) into --out (GPU, torch
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -500,14 +504,17 @@ def gpu_peaks(tts: TTS) -> dict:
 
 
 def sweep(target: Target, paths: list[str], rates: list[float], duration: float, seed: int, drain: float, keep_going: bool,
-          on_result: Callable[[dict], None], profile: bool = False) -> None:
-    """Every path at each rate in turn, until a rate where one of them does not hold (unless `keep_going`)."""
+          on_result: Callable[[dict], None], profile: bool = False, repeats: int = 1) -> None:
+    """Every path at each rate in turn, `repeats` runs of the same arrivals each (the spread from run to run),
+    until a rate where one of them does not hold (unless `keep_going`)."""
     for rate in rates:
         held = True
-        for path in paths:
-            result = run_rate(target, path, rate, duration, seed, drain, profile)
-            on_result(result)
-            held = held and result["held"]
+        for repeat in range(repeats):
+            for path in paths:
+                result = run_rate(target, path, rate, duration, seed, drain, profile)
+                result["repeat"] = repeat
+                on_result(result)
+                held = held and result["held"]
         if not held and not keep_going:
             return
 
@@ -591,7 +598,7 @@ def markdown(report: dict) -> str:
              "|---" * 14 + "|"]
     for r in report["results"]:
         t = r["ttfa_ms"]
-        lines.append(f"| {r['size']} | {report['rows'][r['size']]} | {r['path']} | {r['rate']:g} | {r['requests']} ({r['completed']}) | "
+        lines.append(f"| {r['size']} | {report['rows'][r['size']]} | {r['path']} | {rate_cell(r, report)} | {r['requests']} ({r['completed']}) | "
                      f"{number(t['p50'])} / {number(t['p95'])} / {number(t['p99'])} | {r['stuttering_streams']} ({r['stutter_share']:.0%}) | "
                      f"{number(r['stall_ms_max'])} | {number(r['audio_s_per_s'], 1)} ({number(r['offered_audio_s_per_s'], 1)}) | {r['max_waiting']} | "
                      f"{r['max_rows_busy']} | {r.get('first_chunks_waited', '-')} | {number(r['gpu_peak_allocated_gib'], 1)} / {number(r['gpu_peak_reserved_gib'], 1)} | "
@@ -606,7 +613,7 @@ def markdown(report: dict) -> str:
     for r in report["results"]:
         stages = r.get("first_chunk_path") or {}
         cells = [f"{number(stages[name]['p50'], 1)} / {number(stages[name]['p95'], 1)}" if name in stages else "-" for name, _, _ in FIRST_CHUNK_STAGES]
-        lines.append(f"| {r['size']} | {r['path']} | {r['rate']:g} | " + " | ".join(cells) +
+        lines.append(f"| {r['size']} | {r['path']} | {rate_cell(r, report)} | " + " | ".join(cells) +
                      f" | {number(r['ttfa_ms']['p50'], 1)} / {number(r['ttfa_ms']['p95'], 1)} |")
     profiled = [r for r in report["results"] if r.get("gpu_profile")]
     if profiled:
@@ -618,17 +625,22 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rate_cell(result: dict, report: dict) -> str:
+    """The run's rate, and which of the rate's runs it is where each rate ran more than once."""
+    return f"{result['rate']:g}" + (f" (run {result['repeat'] + 1})" if report.get("repeats", 1) > 1 else "")
+
+
 def highest_held(results: list[dict]) -> dict[tuple[str, str], float | None]:
-    """Per model and path, the highest rate that held with every lower rate run holding too (None: not even the lowest)."""
+    """Per model and path, the highest rate whose every run held, with every run of every lower rate holding
+    too (None: not even the lowest)."""
+    runs: dict[tuple[str, str], dict[float, bool]] = {}
+    for r in results:
+        by_rate = runs.setdefault((r["size"], r["path"]), {})
+        by_rate[r["rate"]] = by_rate.get(r["rate"], True) and r["held"]
     best: dict[tuple[str, str], float | None] = {}
-    broken: set[tuple[str, str]] = set()
-    for r in sorted(results, key=lambda r: r["rate"]):
-        key = (r["size"], r["path"])
-        best.setdefault(key, None)
-        if r["held"] and key not in broken:
-            best[key] = r["rate"]
-        elif not r["held"]:
-            broken.add(key)
+    for key, by_rate in runs.items():
+        held = list(itertools.takewhile(lambda rate: by_rate[rate], sorted(by_rate)))
+        best[key] = held[-1] if held else None
     return best
 
 
@@ -651,10 +663,12 @@ def plot(report: dict, path: Path) -> bool:
             runs = sorted((r for r in report["results"] if r["size"] == size and r["path"] == client), key=lambda r: r["rate"])
             if not runs:
                 continue
-            rates = [r["rate"] for r in runs]
+            rates = sorted({r["rate"] for r in runs})
             for q, style in (("p50", ":"), ("p95", "-"), ("p99", "--")):
-                latency.plot(rates, [r["ttfa_ms"][q] for r in runs], style, marker=".", color=color, label=f"{client} {q}")
-            throughput.plot(rates, [r["audio_s_per_s"] for r in runs], marker=".", color=color, label=f"{client} delivered")
+                latency.plot(rates, median_per_rate(runs, rates, lambda r: r["ttfa_ms"][q]), style, color=color, label=f"{client} {q}")
+                latency.scatter([r["rate"] for r in runs], [r["ttfa_ms"][q] for r in runs], marker=".", color=color)
+            throughput.plot(rates, median_per_rate(runs, rates, lambda r: r["audio_s_per_s"]), color=color, label=f"{client} delivered")
+            throughput.scatter([r["rate"] for r in runs], [r["audio_s_per_s"] for r in runs], marker=".", color=color)
             stuttered = [r for r in runs if r["stuttering_streams"]]
             latency.scatter([r["rate"] for r in stuttered], [r["ttfa_ms"]["p95"] for r in stuttered], marker="x", s=60, color="red",
                             label="a stream stuttered" if client == PATHS[0] else None, zorder=3)
@@ -664,6 +678,14 @@ def plot(report: dict, path: Path) -> bool:
         latency.set(xlabel="requests per second", ylabel="time to first audio, ms", title=f"{size}: time to first audio", yscale="log")
         throughput.set(xlabel="requests per second", ylabel="audio-seconds per second", title=f"{size}: audio delivered")
     return save_figure(fig, axes.flat, f"{report['gpu']}, {report['date']}: {report['duration_s']:.0f} s of Poisson arrivals per rate", path, 7)
+
+
+def median_per_rate(runs: list[dict], rates: list[float], value: Callable[[dict], float | None]) -> list[float]:
+    """The median of `value` over each rate's runs (NaN where none has a value: no line there)."""
+    def median(rate: float) -> float:
+        values = [v for r in runs if r["rate"] == rate and (v := value(r)) is not None]
+        return float(np.median(values)) if values else float("nan")
+    return [median(rate) for rate in rates]
 
 
 def report_stem(report: dict, name: str) -> str:
@@ -684,12 +706,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, help="clients: in process, over HTTP (default both)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the sentences (default 0)")
     parser.add_argument("--rows", type=int, default=None, help="rows of the engine (default: as the app plans them from the GPU's memory)")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="runs of each rate, the same arrivals each time, to show the spread from run to run (default 1)")
     parser.add_argument("--keep-going", action="store_true", help="run every rate, past the first that does not hold")
     parser.add_argument("--profile", action="store_true",
                         help=f"GPU kernel time per CUDA stream over {PROFILE_FOR_S:g} s of each run, from {PROFILE_AT_S:g} s in (slows the run)")
     parser.add_argument("--tiny", action="store_true", help="the tiny random checkpoint on the CPU, to try the script (--sizes ignored)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="where the JSON, markdown and PNG go (default docs/benchmarks)")
     return parser.parse_args(argv)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, not {text!r}")
+    return value
 
 
 def rates_arg(text: str) -> list[float]:
@@ -723,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --profile measures GPU kernels and needs a CUDA GPU", file=sys.stderr)
         return 2
     report = {**report_header("benchmarks.load", argv, on_gpu=not args.tiny), "duration_s": args.duration, "seed": args.seed, "rates": args.rates,
+              "repeats": args.repeats,
               "paths": args.paths, "precision": precision(args.tiny),
               "chars_per_second": CHARS_PER_SECOND, "rows": {}, "results": []}
     name = "load-" + "-".join(sizes)
@@ -743,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "http" in args.paths:
                     serve(target)
                 warm_paths(target, args.paths)
-                sweep(target, args.paths, args.rates, args.duration, args.seed, args.drain, args.keep_going, on_result, args.profile)
+                sweep(target, args.paths, args.rates, args.duration, args.seed, args.drain, args.keep_going, on_result, args.profile, args.repeats)
             finally:
                 target.close()
             del target

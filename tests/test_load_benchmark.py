@@ -93,6 +93,21 @@ def test_the_highest_rate_held_stops_at_the_first_that_did_not():
     assert load.highest_held(runs) == {("0.6B", "http"): 10, ("0.6B", "process"): None}
 
 
+def test_a_rate_run_more_than_once_holds_only_if_every_run_held():
+    runs = [{"size": "1.7B", "path": "process", "rate": rate, "held": held}
+            for rate, held in ((5, True), (5, True), (10, True), (10, False), (20, True), (20, True))]
+    assert load.highest_held(runs) == {("1.7B", "process"): 5}
+
+
+def test_repeats_are_whole_numbers_of_at_least_one(capsys):
+    assert load.parse_args(["--repeats", "3"]).repeats == 3
+    assert load.parse_args([]).repeats == 1
+    for bad in ("0", "two", "1.5"):
+        with pytest.raises(SystemExit):
+            load.parse_args(["--repeats", bad])
+        assert "takes a whole number of at least 1" in capsys.readouterr().err
+
+
 def test_rates_are_numbers_separated_by_commas(capsys):
     assert load.parse_args(["--rates", "5,10,20.5"]).rates == [5.0, 10.0, 20.5]
     for bad in ("5,ten", "0,5"):
@@ -124,13 +139,13 @@ def test_profile_needs_a_gpu(capsys):
 
 # ---- a run on the tiny checkpoint -----------------------------------------------------------------
 
-RATE, DURATION = 1.0, 2.0
+RATE, DURATION, REPEATS = 1.0, 2.0, 2
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("load")
-    assert load.main(["--tiny", "--rates", str(RATE), "--duration", str(DURATION), "--drain", "600", "--out", str(out)]) == 0
+    assert load.main(["--tiny", "--rates", str(RATE), "--duration", str(DURATION), "--drain", "600", "--repeats", str(REPEATS), "--out", str(out)]) == 0
     (report_file,) = out.glob("*-CPU-load-tiny.json")
     return json.loads(report_file.read_text()), out
 
@@ -139,7 +154,8 @@ def test_the_tiny_run_completes_every_request_through_both_clients(tiny_run):
     report, _ = tiny_run
     arrivals = load.workload(RATE, DURATION, seed=0)
     assert len(arrivals) >= 2
-    assert [(r["size"], r["path"], r["rate"]) for r in report["results"]] == [("tiny", "process", RATE), ("tiny", "http", RATE)]
+    assert [(r["size"], r["path"], r["rate"], r["repeat"]) for r in report["results"]] == [
+        ("tiny", path, RATE, repeat) for repeat in range(REPEATS) for path in load.PATHS]
     for r in report["results"]:
         assert r["requests"] == r["ended"] == r["completed"] == len(r["streams"]) == len(arrivals), r["path"]
         assert r["errors"] == r["no_audio"] == 0 and not r["cut"]
@@ -177,7 +193,8 @@ def test_the_tiny_run_writes_its_table_and_plot(tiny_run):
     assert report["command"].startswith("python -m benchmarks.load --tiny")
     assert text.count("| tiny | 4 |") == len(report["results"])
     assert "Highest rate holding p95 TTFA" in text
-    assert all(f"| tiny | {path} | 1 |" in text for path in load.PATHS)  # where the first audio's time goes, per path
+    for repeat in range(REPEATS):  # each run's row in where the first audio's time goes, per path
+        assert all(f"| tiny | {path} | 1 (run {repeat + 1}) |" in text for path in load.PATHS)
     (png,) = out.glob("*-CPU-load-tiny.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
