@@ -358,7 +358,7 @@ def run_rate(target: Target, path: str, rate: float, duration: float, seed: int,
     if target.tts.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     waited_before = target.tts.engine.first_chunks_waited
-    target.tts.engine.first_chunk_paths.clear()
+    target.tts.engine.take_first_chunk_paths()  # those of earlier runs
     watch = QueueWatch(target.tts)
     window = KernelWindow() if profile else None
     if path == "process":
@@ -371,7 +371,7 @@ def run_rate(target: Target, path: str, rate: float, duration: float, seed: int,
     result = summary([s for s in streams if s is not None], len(arrivals), wall, duration)
     result.update(size=target.name, path=path, rate=rate, duration_s=duration, seed=seed, cut=was_cut,
                   max_waiting=watch.max_waiting, max_rows_busy=watch.max_busy, first_chunks_waited=target.tts.engine.first_chunks_waited - waited_before,
-                  first_chunk_path=first_chunk_stages(list(target.tts.engine.first_chunk_paths)),
+                  first_chunk_path=first_chunk_stages(target.tts.engine.take_first_chunk_paths()),
                   gpu_profile=gpu_profile, **gpu_peaks(target.tts))
     result["held"] = holds(result)
     return result

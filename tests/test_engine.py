@@ -369,7 +369,7 @@ def test_a_first_chunk_waits_for_the_second_while_early_chunks_land_late_and_the
     np.testing.assert_array_equal(np.concatenate([c.audio for c in waited]), np.concatenate([c.audio for c in at_once]))
     assert [c.frames for c in alone] == [1]
     assert tts.engine.first_chunks_waited == counted + 2
-    path = next(p for p in tts.engine.first_chunk_paths if p.sent_ms == waited[0].elapsed_ms)
+    path = next(p for p in tts.engine.take_first_chunk_paths() if p.sent_ms == waited[0].elapsed_ms)
     assert path.ready_ms < path.sent_ms  # its own audio was ready before the second chunk's
 
 
@@ -377,16 +377,17 @@ def test_each_stream_leaves_the_path_of_its_first_chunk_in_order(models):
     """Every stream's first chunk leaves one FirstChunkPath, its points in the order they happen, the
     last one the moment its listener was handed the chunk."""
     tts = models["custom_voice"]
-    tts.engine.first_chunk_paths.clear()
+    tts.engine.take_first_chunk_paths()  # earlier tests' streams
     requests = [SpeechRequest(f"Path number {i}.", speaker="ryan", seed=i, max_frames=6, schedule=(2, 4)) for i in range(ROWS + 2)]
     streams = [iter(tts.submit(r)) for r in requests]  # more than the rows: two wait in the queue
     firsts = [next(stream) for stream in streams]
     for stream in streams:
         assert list(stream)
-    paths = list(tts.engine.first_chunk_paths)
+    paths = tts.engine.take_first_chunk_paths()
     assert sorted(p.sent_ms for p in paths) == sorted(c.elapsed_ms for c in firsts)
     for p in paths:
         assert 0 <= p.admitted_ms <= p.first_frame_ms <= p.vocoding_ms <= p.ready_ms <= p.sent_ms
+    assert tts.engine.take_first_chunk_paths() == []  # taken once
 
 
 def test_vocoder_lanes_change_nothing_in_the_audio(tiny_checkpoints, models):

@@ -369,7 +369,7 @@ class Engine:
         self.parked = False  # the loop waits for a command while its rows wait for text
         self.parks = 0  # times it has parked
         self.first_chunks_waited = 0  # first chunks that went out with their stream's second
-        # The latest streams' FirstChunkPath, for a benchmark to read (appended by the delivery threads).
+        # The latest streams' FirstChunkPath (appended by the delivery threads), for `take_first_chunk_paths`.
         self.first_chunk_paths: deque[FirstChunkPath] = deque(maxlen=FIRST_CHUNK_PATHS_KEPT)
         self._allocate_buffers()
         # Capture now, every row idle: a capture's warm-up runs would advance live rows.
@@ -475,6 +475,15 @@ class Engine:
         for thread in (self.thread, *self.deliveries):  # the loop ends the delivery threads on its way out
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout)
+
+    def take_first_chunk_paths(self) -> list[FirstChunkPath]:
+        """The streams' first-chunk paths kept since the last call, oldest first; they are no longer kept.
+        One at a time (a delivery thread may append meanwhile, which iterating the deque would not allow)."""
+        taken = []
+        with contextlib.suppress(IndexError):
+            while True:
+                taken.append(self.first_chunk_paths.popleft())
+        return taken
 
     def early_chunk_landed(self, at: float, left_s: float) -> None:
         """A delivery thread has a watched chunk's audio for its listener (see `Scheduler.early_chunk_landed`)."""
