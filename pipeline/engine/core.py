@@ -673,16 +673,17 @@ class Engine:
         produced = self.host_produced[slot].numpy()
         output = StepOutput(produced, self.host_codes[slot].numpy(), self.host_token[slot].numpy(), time.perf_counter(), self.gen_timer[slot].ms(),
                             self._prefills_read(launch.schedule, produced))
-        self._stamp_first_frames(produced, output.now)
+        self._stamp_first_frames(output)
         with self.lock:
             actions = self.scheduler.update_from_output(launch.schedule, output)
         self._carry_out(actions)
 
-    def _stamp_first_frames(self, produced: np.ndarray, now: float) -> None:
-        for row in np.flatnonzero(produced):
+    def _stamp_first_frames(self, output: StepOutput) -> None:
+        """The rows whose segment made its first frame in this step (those whose prefill time was read)."""
+        for row in output.prefill_ms:
             state = self.scheduler.rows[row]
             if state is not None:
-                state.handle._stamp("first_frame_ms", now)
+                state.handle._stamp("first_frame_ms", output.now)
 
     def _prefills_read(self, schedule: Schedule, produced: np.ndarray) -> dict[int, float]:
         """The prefill time of each row whose segment made its first frame in this step (its prefills have completed)."""
