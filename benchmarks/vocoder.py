@@ -69,6 +69,15 @@ def call_ms(decoder: SpeechDecoder, slots: list[int], calls: int) -> dict[str, f
     return result
 
 
+def pytorch_transformer_ms(decoder: SpeechDecoder, args: argparse.Namespace) -> dict[str, float]:
+    """`call_ms` with the transformer in PyTorch's ops (`DecoderTransformer.use_kernels` off), in the same process."""
+    decoder.pre_transformer.use_kernels = False
+    try:
+        return call_ms(decoder, args.slots, args.calls)
+    finally:
+        decoder.pre_transformer.use_kernels = True
+
+
 @torch.inference_mode()
 def kernel_profile(decoder: SpeechDecoder, slots: int, top: int = 12) -> dict:
     """GPU time per kernel name of one batched call of `slots` streams (eager, the mean of 5 calls)."""
@@ -118,8 +127,14 @@ def markdown(report: dict) -> str:
               else f"PyTorch's ops, the mean of {report['calls']} calls")
     lines = [f"### {report['gpu']} — {report['date']}: the vocoder", "",
              f"torch {report['torch']}; `{report['command']}`; {report['codec']} codec, random weights, float32; {timing}.", "",
-             "| call | ms |", "|---|---|"]
-    lines += [f"| {name} | {ms:.2f} |" for name, ms in report["calls_ms"].items()]
+             ]
+    pytorch = report.get("pytorch_transformer_calls_ms")
+    if pytorch:
+        lines += ["| call | ms | ms, transformer in PyTorch's ops |", "|---|---|---|"]
+        lines += [f"| {name} | {ms:.2f} | {pytorch[name]:.2f} |" for name, ms in report["calls_ms"].items()]
+    else:
+        lines += ["| call | ms |", "|---|---|"]
+        lines += [f"| {name} | {ms:.2f} |" for name, ms in report["calls_ms"].items()]
     if report.get("profile"):
         p = report["profile"]
         lines += ["", f"One batched call of {p['slots']} streams, eager: {p['kernel_ms']:.2f} ms of kernels in {p['launches']} launches.", "",
@@ -134,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, nargs="+", default=[4, 16], help="streams per batched call (default 4 16)")
     parser.add_argument("--calls", type=int, default=20, help="calls per timing (default 20)")
     parser.add_argument("--tiny", action="store_true", help="the tiny codec on the CPU, to try the script")
+    parser.add_argument("--pytorch-transformer", action="store_true",
+                        help="also time the calls with the codec's transformer in PyTorch's ops instead of its Triton kernels")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
@@ -144,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {**report_header("benchmarks.vocoder", argv, on_gpu=not args.tiny), "codec": "tiny" if args.tiny else "released",
                   "calls": args.calls,
                   "calls_ms": call_ms(decoder, args.slots, args.calls),
+                  "pytorch_transformer_calls_ms": pytorch_transformer_ms(decoder, args) if args.pytorch_transformer else None,
                   "profile": None if args.tiny else kernel_profile(decoder, args.slots[0]),
                   "numerics": numerics(decoder)}
     write_report(args.out, "vocoder-tiny" if args.tiny else "vocoder", report, markdown(report))

@@ -35,7 +35,8 @@ SHARED_MEMORY_LIMIT = {(8, 0): 166_912, (8, 6): 101_376, (8, 9): 101_376, (9, 0)
 # bytes a thread on sm_80, 104 on sm_90, 112 on sm_89, 168 on sm_120): the same chunks everywhere sum
 # in the same order, so a request gives the same codes on every GPU; smaller chunks, which spill
 # nothing, sum in another order. Bounded, so that a change that spills more fails here.
-MEASURED_SPILLS = {(9, 0): {"linear2 BLOCK_K=256,BLOCK_N=64,K=2048,N=6144,SPLIT_K=1": 256}}
+# Qwen3-Omni code2wav's float32 gate/up tile on sm_120 (8 bytes a thread, Triton 3.6's ptxas).
+MEASURED_SPILLS = {(9, 0): {"linear2 BLOCK_K=256,BLOCK_N=64,K=2048,N=6144,SPLIT_K=1": 256}, (12, 0): {"codec linear2 N=3072,K=1024": 8}}
 ATTENTION_SPILL_BOUND = 256
 
 TALKERS = {"0.6B": (1024, 3072), "1.7B": (2048, 6144)}  # hidden, FFN; 16 query heads, 8 key/value heads of 128
@@ -89,7 +90,7 @@ def matmul_launches(config) -> dict:
                              SPLIT_K=t.split_k)
         else:
             mode = int(kind[-1])
-            constants = dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=normed, HAS_BIAS=bias, MODE=mode, IEEE=False, BLOCK_M=BLOCK_M,
+            constants = dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=normed, HAS_BIAS=bias, HAS_SCALE=False, MODE=mode, IEEE=False, BLOCK_M=BLOCK_M,
                              BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, out=logits)
         key = (kind, tuple(sorted(constants.items())), t.num_warps, t.num_stages)
         found[key] = max(found.get(key, 0), lines)
@@ -124,7 +125,7 @@ def launches(capability: tuple[int, int]) -> list[tuple[str, object, dict, dict,
     config = KernelConfig.for_architecture(capability)
     overlap = dict(OVERLAP=config.overlap)
     found = []
-    matmul = {**dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "bias_ptr", "res_ptr", "next_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr",
+    matmul = {**dict.fromkeys(["x_ptr", "norm_ptr", "normed_ptr", "w_ptr", "bias_ptr", "scale_ptr", "res_ptr", "next_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr",
                                "sin_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16"),
               "partial_ptr": "*fp32", "lock_ptr": "*i32", "pos_ptr": "*i64", "stride_x": "i32", "M": "i32", "L": "i32", "eps": "fp32",
               "head_eps": "fp32", "next_size": "i32", "cache_row": "i32", "cache_head": "i32", "cache_pos": "i32"}
@@ -140,9 +141,10 @@ def launches(capability: tuple[int, int]) -> list[tuple[str, object, dict, dict,
     for mode, n, k in ((0, 2048, 1024), (0, 3072, 2048), (1, 1024, 3072), (1, 2048, 6144), (2, 3072, 1024), (2, 6144, 2048)):
         t = config.tiles(f"linear{mode}", n, k, torch.float32)
         found.append((f"float32 linear{mode} N={n},K={k}", decode._linear_kernel, exact,
-                      dict(N=n, K=k, HAS_NORM=mode != 1, STORE_NORMED=False, HAS_BIAS=False, MODE=mode, IEEE=True, BLOCK_M=decode.BLOCK_M,
-                           BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, **overlap, NEXT_LINES=0, LINE=32), t.num_warps, t.num_stages,
-                      capability == (9, 0)))
+                      dict(N=n, K=k, HAS_NORM=mode != 1, STORE_NORMED=False, HAS_BIAS=False, HAS_SCALE=False, MODE=mode, IEEE=True,
+                           BLOCK_M=decode.BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, **overlap, NEXT_LINES=0, LINE=32),
+                      t.num_warps, t.num_stages, capability == (9, 0)))
+    found += codec_transformer_launches(config, exact)
 
     attention = {**dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16"), "pos_ptr": "*i64", "stats_ptr": "*fp32",
                  "partial_ptr": "*fp32", "lock_ptr": "*i32", "arrival_ptr": "*i32", "L": "i32", "scale": "fp32", "cache_row": "i32",
@@ -181,6 +183,33 @@ def launches(capability: tuple[int, int]) -> list[tuple[str, object, dict, dict,
     found.append(("next token", _next_token_kernel, token, dict(BLOCK=block, BLOCK_H=min(1024, PREDICTOR["H"]), C=CANDIDATES, **overlap),
                   sampling_warps(block, config), 3, True))
 
+    return found
+
+
+def codec_transformer_launches(config, exact: dict) -> list:
+    """The vocoder transformer's kernels (pipeline.codec.transformer_kernels) at the Qwen3-TTS codec's and
+    Qwen3-Omni code2wav's shapes (hidden 512 / 1024, FFN 1024 / 3072, 16 heads of 64, a 72-frame window):
+    every vocoder call runs them, so none spills."""
+    from pipeline.codec.transformer_kernels import ATTENTION_WARPS, BLOCK_T, CODEC_TILES, _window_attention_kernel
+    from pipeline.kernels import decode
+
+    found = []
+    t = CODEC_TILES
+    heads, head_dim, history = 16, 64, 71
+    for hidden, ffn in ((512, 1024), (1024, 3072)):
+        width = heads * head_dim
+        for mode, n, k, norm, bias, scale in ((0, 3 * width, hidden, True, False, False), (1, hidden, width, False, False, True),
+                                              (2, ffn, hidden, True, False, False), (1, hidden, ffn, False, False, True),
+                                              (0, 1024, hidden, True, True, False)):
+            found.append((f"codec linear{mode} N={n},K={k}", decode._linear_kernel, exact,
+                          dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=False, HAS_BIAS=bias, HAS_SCALE=scale, MODE=mode, IEEE=True,
+                               BLOCK_M=decode.BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, OVERLAP=config.overlap,
+                               NEXT_LINES=0, LINE=32), t.num_warps, t.num_stages, True))
+    types = {**dict.fromkeys(["qkv_ptr", "k_tail_ptr", "v_tail_ptr", "cos_ptr", "sin_ptr", "out_ptr"], "*fp32"), "seen_ptr": "*i64",
+             "tail_stride": "i32", "seen_stride": "i32", "T": "i32", "scale": "fp32"}
+    found.append(("codec window attention", _window_attention_kernel, types,
+                  dict(HISTORY=history, HEADS=heads, KV_HEADS=heads, HEAD_DIM=head_dim, HALF_BLOCK=head_dim // 2, DIM_BLOCK=head_dim,
+                       BLOCK_T=BLOCK_T, BLOCK_S=128, OVERLAP=config.overlap), ATTENTION_WARPS, 3, True))
     return found
 
 

@@ -21,6 +21,7 @@ from pipeline.codec.config import DecoderConfig
 from pipeline.codec.convolution import residual_unit
 from pipeline.codec.snake import snake_beta
 from pipeline.codec.streaming import CausalConv1d, CausalConvTranspose1d, StreamState, derive_unless_meta_, exact_float32_convolutions, rederive_after_load
+from pipeline.codec.transformer_kernels import FUSED_FRAMES, fused_transformer, transformer_kernels_available
 from pipeline.graphs import CUDAGraphed
 from pipeline.layers import LayerScale, RMSNorm, apply_rope, attention, rope_tables
 
@@ -184,7 +185,13 @@ class DecoderTransformer(nn.Module):
     """latent -> hidden -> sliding-window layers -> RMSNorm -> latent (`projected`; Qwen3-Omni's
     code2wav has no projections: hidden in, hidden out). Its own state is the number of frames
     each row has already seen ([batch], on the device), which hides the history slots that row
-    has not filled yet."""
+    has not filled yet.
+
+    On CUDA its layers run in Triton kernels (pipeline.codec.transformer_kernels), 1 to 16 frames a
+    pass, reading RoPE tables derived once (`rope_cos`, `rope_sin`: the window and 16 frames);
+    `use_kernels` off keeps PyTorch's ops there (to compare the two)."""
+
+    use_kernels = True
 
     def __init__(self, config: DecoderConfig, projected: bool = True):
         super().__init__()
@@ -193,12 +200,21 @@ class DecoderTransformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_proj = nn.Linear(config.latent_dim, config.hidden_size) if projected else nn.Identity()
         self.output_proj = nn.Linear(config.hidden_size, config.latent_dim) if projected else nn.Identity()
+        self.register_load_state_dict_post_hook(rederive_after_load)
+        derive_unless_meta_(self)
+
+    def _derive_(self) -> None:
+        cos, sin = rope_tables(self.config.head_dim, self.config.rope_theta, self.config.sliding_window - 1 + FUSED_FRAMES, self.norm.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def init_state(self, batch_size: int, device, dtype):
         return torch.zeros(batch_size, device=device, dtype=torch.int64)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
         # x: [B, T, latent_dim]
+        if self.use_kernels and self.config.sliding_window > 1 and transformer_kernels_available(x):
+            return fused_transformer(self, x, state)
         t, history = x.shape[1], self.config.sliding_window - 1
         x = self.input_proj(x)
         cos, sin = (c.to(x.dtype) for c in rope_tables(self.config.head_dim, self.config.rope_theta, history + t, x.device))

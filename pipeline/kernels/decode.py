@@ -180,14 +180,16 @@ def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, arrivals, rows_mask, S
 # apart): one variant serves every row block, 15 fewer compiles in a cold start of the 0.6B; the
 # same step times on an H100.
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, K: tl.constexpr,
-                   eps, HAS_NORM: tl.constexpr, STORE_NORMED: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, bias_ptr, scale_ptr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr,
+                   K: tl.constexpr, eps, HAS_NORM: tl.constexpr, STORE_NORMED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                   MODE: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    next_ptr, next_size, OVERLAP: tl.constexpr, NEXT_LINES: tl.constexpr, LINE: tl.constexpr):
     """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ w^T); program (row block, column block, K split).
 
     x's rows are `stride_x` apart. normed (STORE_NORMED, with HAS_NORM): the normed x [M, K], written
     by the programs of the first column block. HAS_BIAS: bias [N] added as a Linear adds it.
+    HAS_SCALE: the result times scale [N] (a residual branch's per-channel gain), before MODE 1's add.
 
     MODE 0: plain (out may be float32 for activations in a narrower dtype: the result is rounded
     to the activations' dtype first, as `F.linear(...).float()`); 1: out = residual + result
@@ -198,8 +200,8 @@ def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, bias_ptr, res_p
     acc, up = _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N, K, eps, HAS_NORM, STORE_NORMED, MODE, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
                            SPLIT_K, pid_m, pid_n, pid_k)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + pid_n) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
-    _linear_finish(acc, up, bias_ptr, HAS_BIAS, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N, MODE, BLOCK_M, BLOCK_N, SPLIT_K, pid_m, pid_n, pid_k,
-                   tl.num_programs(1), x_ptr.dtype.element_ty)
+    _linear_finish(acc, up, bias_ptr, HAS_BIAS, scale_ptr, HAS_SCALE, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N, MODE, BLOCK_M, BLOCK_N, SPLIT_K,
+                   pid_m, pid_n, pid_k, tl.num_programs(1), x_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -218,10 +220,11 @@ def _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N: tl.constexp
 
 
 @triton.jit
-def _linear_finish(acc, up, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr, MODE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, pid_n, pid_k, col_blocks, dt):
+def _linear_finish(acc, up, bias_ptr, HAS_BIAS: tl.constexpr, scale_ptr, HAS_SCALE: tl.constexpr, res_ptr, out_ptr, partial_ptr, lock_ptr, M,
+                   N: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, pid_n, pid_k,
+                   col_blocks, dt):
     """The tile's split sums added (split-K: by the last of its programs) and its epilogue stored.
-    The epilogue's bias and residual are loaded first: their round trip to L2 overlaps the split
+    The epilogue's bias, scale and residual are loaded first: their round trip to L2 overlaps the split
     sums' (every program of a split tile loads them, the last one uses them)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -231,25 +234,32 @@ def _linear_finish(acc, up, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr, 
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     residual = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MODE == 1:
         residual = tl.load(res_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
     if SPLIT_K > 1:
         acc, up, last = _sum_splits(acc, up, partial_ptr, lock_ptr, pid_m * col_blocks + pid_n, pid_k, SPLIT_K, m_mask, SPLIT_K, MODE == 2)
         if last:
-            _linear_epilogue(acc, up, bias, HAS_BIAS, residual, out_ptr, out_offs, out_mask, MODE, dt)
+            _linear_epilogue(acc, up, bias, HAS_BIAS, scale, HAS_SCALE, residual, out_ptr, out_offs, out_mask, MODE, dt)
     else:
-        _linear_epilogue(acc, up, bias, HAS_BIAS, residual, out_ptr, out_offs, out_mask, MODE, dt)
+        _linear_epilogue(acc, up, bias, HAS_BIAS, scale, HAS_SCALE, residual, out_ptr, out_offs, out_mask, MODE, dt)
 
 
 @triton.jit
-def _linear_epilogue(acc, up, bias, HAS_BIAS: tl.constexpr, residual, out_ptr, out_offs, out_mask, MODE: tl.constexpr, dt):
+def _linear_epilogue(acc, up, bias, HAS_BIAS: tl.constexpr, scale, HAS_SCALE: tl.constexpr, residual, out_ptr, out_offs, out_mask,
+                     MODE: tl.constexpr, dt):
     """`dt`: the activation dtype, to which the product is rounded as the unfused matmul rounds it
     (stored in out's dtype, which may be wider: float32 logits). HAS_BIAS: the bias [BLOCK_N] is
-    added before that rounding, as a Linear with a bias adds it; MODE 1: the residual after it."""
+    added before that rounding, as a Linear with a bias adds it; HAS_SCALE: the rounded result times
+    the scale [BLOCK_N], rounded, as a LayerScale after the Linear; MODE 1: the residual after it."""
     if HAS_BIAS:
         acc = acc + bias[None, :]
     out = _round(acc, dt)
+    if HAS_SCALE:
+        out = _round(out * scale[None, :], dt)
     if MODE == 1:
         out = out + residual
     if MODE == 2:
@@ -613,8 +623,8 @@ def _check_split(k: int, t: Tiles) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: Workspace, config: KernelConfig,
            norm: torch.nn.Module | None = None, mode: int = 0,
            residual: torch.Tensor | None = None, shape: Tiles | None = None, following: torch.Tensor | None = None,
-           normed: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ weight^T (+ bias)); see _linear_kernel for `mode`.
+           normed: torch.Tensor | None = None, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ weight^T (+ bias) (* scale)); see _linear_kernel for `mode`.
     x's rows may be apart (x[:, -1] of [M, L, K]). `following`: the weight of the next matmul, asked
     into L2 ahead of it. `normed` [M, K] (with `norm`): receives RMSNorm(x)."""
     m, k = x.shape
@@ -626,9 +636,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: 
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * t.block_n, x.device)
     launch(_linear_kernel, grid,
         x, x.stride(0), norm.weight if norm is not None else weight, normed if normed is not None else x, weight,
-        bias if bias is not None else weight, residual if residual is not None else out, out, partial, locks, m, n, k,
-        norm.eps if norm is not None else 0.0, HAS_NORM=norm is not None, STORE_NORMED=normed is not None, HAS_BIAS=bias is not None,
-        MODE=mode, IEEE=x.dtype == torch.float32,
+        bias if bias is not None else weight, scale if scale is not None else weight, residual if residual is not None else out, out, partial,
+        locks, m, n, k, norm.eps if norm is not None else 0.0, HAS_NORM=norm is not None, STORE_NORMED=normed is not None,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, MODE=mode, IEEE=x.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages,
         **launch_options(config, x.device), **_prefetch(config, following, grid[0] * grid[1] * grid[2], weight))
     return out
