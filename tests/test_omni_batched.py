@@ -3,6 +3,7 @@ times, each in its own row of one decode step, give exactly the reply tokens and
 gives alone (greedy and seeded); prompts that arrive together share a pack, cut wherever the pack
 ends, and still give each alone's reply; the running conversations get a step after every pack;
 the pack's and the step's CUDA kernels compute what transformers' kernels compute."""
+import dataclasses
 import threading
 
 import numpy as np
@@ -112,6 +113,57 @@ def test_prompts_arriving_together_share_a_pack_between_steps_of_the_running_one
         assert sum(count for _, _, count, _ in calls[i][1]) == thinker.pack_tokens or i == packs[-1]  # packs are filled
         kind, _, running = calls[i + 1]
         assert kind == "step" and long_row in running and long_row in calls[i][2]  # the long reply goes on after every pack
+
+
+@pytest.mark.parametrize("lead", [4, 0], ids=["lead-4", "no-lead"])
+def test_a_prompt_arriving_beside_a_young_reply_waits_for_its_lead_tokens(tiny_omni, lead):
+    """The scheduler's turns driven on this thread: a reply with `lead` lead tokens runs alone; a prompt that
+    arrives after its first token is packed only once it has written them (a step each), at once without a
+    lead; its reply is the same either way."""
+    thinker = Thinker.from_pretrained(tiny_omni, torch.device("cpu"), torch.float32, 1, rows=2, max_len=96)
+    g = torch.Generator().manual_seed(5)
+    first = dataclasses.replace(_reply(thinker, torch.randint(0, thinker.vocab, (1, 9), generator=g), 1, tokens=12), lead_tokens=lead)
+    second = _reply(thinker, torch.randint(0, thinker.vocab, (1, 14), generator=g), 2, tokens=6)
+    _prefill_now(thinker, [first])
+    assert first.written == 1
+    thinker.waiting.append(second)
+    turns = 0
+    while thinker.waiting or thinker.prefilling:
+        thinker._admit()
+        assert (second.prefilled == 0) == (first.written < lead)  # its pack runs exactly once the lead is written
+        thinker._step_all()
+        turns += 1
+    assert turns == max(lead, 1) and first.written == max(lead, 1) + 1  # a step after every turn, the pack in the last
+    while thinker.running:
+        thinker._step_all()
+    assert list(second) == list(_reply_alone(thinker, second))
+
+
+def test_a_spoken_reply_leads_by_the_tokens_of_its_first_two_chunks(chat, monkeypatch):
+    """The talker's frame k reads the thinker's token k + 1: a spoken reply's lead is 1 + its first two chunks'
+    frames (4 by the default schedule 1, 2, ...; 6 by 2, 3, ...); a reply without speech has none."""
+    leads = []
+    start = chat.thinker.start
+
+    def recorded(*args):
+        leads.append(args[-1])
+        return start(*args)
+
+    monkeypatch.setattr(chat.thinker, "start", recorded)
+    for request in (ChatRequest([Turn("user", MESSAGES[0])], greedy=True, max_new_tokens=3, max_frames=4),
+                    ChatRequest([Turn("user", MESSAGES[0])], greedy=True, max_new_tokens=3, max_frames=4, schedule=(2, 3, 8)),
+                    ChatRequest([Turn("user", MESSAGES[0])], greedy=True, max_new_tokens=3, speak=False)):
+        chat.reply(request)
+    assert leads == [4, 6, 0]
+
+
+def _reply_alone(thinker, reply: ThinkerReply) -> ThinkerReply:
+    """`reply`'s prompt and settings again, written alone."""
+    again = _reply(thinker, reply.inputs.input_ids, reply.seed, tokens=reply.max_new_tokens)
+    _prefill_now(thinker, [again])
+    while thinker.running:
+        thinker._step_all()
+    return again
 
 
 def _prefill_now(thinker, replies: list[ThinkerReply]) -> None:

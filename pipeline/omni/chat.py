@@ -338,8 +338,11 @@ class _Turn:
         # The talker's prompt but its last position is known once the thinker's layer accept_hidden_layer
         # is done: its prefill runs on the engine while the thinker's upper layers still run.
         on_accept_layer = self._start_speech if prepared.speak else None
+        # The talker's frame k reads the thinker's token k + 1: the speech's first two chunks need 1 + their
+        # frames of tokens, written before another prompt's pack runs (none where it does not speak).
+        lead_tokens = 1 + sum(prepared.schedule[:2]) if prepared.speak else 0
         reply = self.chat.thinker.start(prepared.inputs, prepared.thinker_sampling, prepared.seed, prepared.max_new_tokens, self.chat.im_end,
-                                        self.stop, on_accept_layer)
+                                        self.stop, on_accept_layer, lead_tokens)
         self._reply(iter(reply))
 
     def _reply(self, tokens: Iterator[int]) -> None:

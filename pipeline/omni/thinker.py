@@ -10,7 +10,9 @@ A pack is `pack_tokens` prompt positions: the waiting prompts' next positions in
 prompt cut where the pack ends and continued in the next, each position writing its key and value
 straight into its conversation's row. So prompts that arrive together go through the model
 together (one read of the experts' weights for all of them), and a joining conversation delays the
-running ones by one pack at a time, never by its whole prompt or reply.
+running ones by one pack at a time, never by its whole prompt or reply. A pack waits while a running
+reply has yet to write its lead tokens (those of its speech's first two chunks, whose audio a pack
+would outrun), a step each.
 
 Batch invariance: a conversation's reply is the same alone and beside others, whatever packs its
 prompt shared and wherever they cut it. Every pack and every step runs at one fixed shape (a
@@ -131,6 +133,9 @@ class ThinkerReply:
     ready: "torch.cuda.Event | None" = None  # recorded after `embeds` on the caller's stream (None on the CPU)
     tokens: queue.Queue = field(default_factory=queue.Queue)
     written: int = 0  # tokens written so far (the scheduler's count)
+    # Tokens it writes before a pack runs beside it: its speech's first chunks, whose audio a pack
+    # (~40 ms at the real size) would outrun (0: packs never wait for it).
+    lead_tokens: int = 0
     row: int = -1  # the row it holds, from its prompt's first pack
     prefilled: int = 0  # prompt positions through the model so far
     accept_hidden: torch.Tensor | None = None  # [L, hidden] layer `accept_hidden_layer`'s output, pack by pack (for on_accept_layer)
@@ -305,17 +310,19 @@ class Thinker:
 
     @torch.inference_mode()
     def start(self, inputs: ThinkerInputs, sampling: ThinkerSampling, seed: int, max_new_tokens: int, stop_token: int,
-              stop: threading.Event, on_accept_layer: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> ThinkerReply:
+              stop: threading.Event, on_accept_layer: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+              lead_tokens: int = 0) -> ThinkerReply:
         """Queue a conversation for a row; its reply comes as the scheduler writes it. `on_accept_layer(embeds,
         hidden)` is called (on the thinker's hand-off thread, its tensors ready on that thread's current stream)
         as soon as the prompt's layer `accept_hidden_layer` is done, while the layers above it run over its last
         pack (what the talker's prompt needs is known by then, and its prefill overlaps theirs); it handles its
-        own errors. The audio encoder runs here, on the caller's thread and stream, not in the others' way."""
+        own errors. The audio encoder runs here, on the caller's thread and stream, not in the others' way.
+        `lead_tokens`: the tokens it writes before another prompt's pack runs (ThinkerReply.lead_tokens)."""
         length = inputs.input_ids.shape[1]
         if length + max_new_tokens - 1 > self.max_len:
             raise ValueError(f"The thinker's cache holds {self.max_len} positions; a prompt of {length} and a reply of {max_new_tokens} do not fit.")
         reply = ThinkerReply(inputs, self._input_embeds(inputs.input_ids.to(self.device), inputs.features), sampling, seed, max_new_tokens,
-                             stop_token, stop, on_accept_layer, ready=self._recorded())
+                             stop_token, stop, on_accept_layer, ready=self._recorded(), lead_tokens=lead_tokens)
         with self.changed:
             self.waiting.append(reply)
             if self.scheduler is None:
@@ -362,8 +369,14 @@ class Thinker:
             self._take_row(reply, row)
         for reply in [r for r in self.prefilling if r.stop.is_set()]:
             self._drop(reply, _END)
-        if self.prefilling:
+        if self.prefilling and not self._leads_pending():
             self._pack()
+
+    def _leads_pending(self) -> bool:
+        """Whether a running reply has yet to write its lead tokens: the next pack waits for them (a step
+        each), so that a conversation that started alone does not run dry at its second chunk while the
+        prompts that came after it go through."""
+        return any(reply.written < min(reply.lead_tokens, reply.max_new_tokens) for reply in self.running.values())
 
     def _take_row(self, reply: ThinkerReply, row: int) -> None:
         """`row` ready for `reply`: its sampling settings, its seed's draws from the start, its prompt's ids seen."""
