@@ -86,11 +86,11 @@ def matmul_launches(config) -> dict:
         if following and weight_bytes <= config.bandwidth_bound_bytes:
             lines = prefetch_shares(following, 2, programs, config.l2_prefetch_bytes)[1]
         if kind == "qkv":
-            constants = dict(K=k, HEADS=HEADS, KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM, IEEE=False, BLOCK_M=BLOCK_M, BLOCK_K=t.block_k,
+            constants = dict(K=k, HEADS=HEADS, KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM, PRECISION="", BLOCK_M=BLOCK_M, BLOCK_K=t.block_k,
                              SPLIT_K=t.split_k)
         else:
             mode = int(kind[-1])
-            constants = dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=normed, HAS_BIAS=bias, HAS_SCALE=False, MODE=mode, IEEE=False, BLOCK_M=BLOCK_M,
+            constants = dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=normed, HAS_BIAS=bias, HAS_SCALE=False, MODE=mode, PRECISION="", BLOCK_M=BLOCK_M,
                              BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, out=logits)
         key = (kind, tuple(sorted(constants.items())), t.num_warps, t.num_stages)
         found[key] = max(found.get(key, 0), lines)
@@ -141,7 +141,7 @@ def launches(capability: tuple[int, int]) -> list[tuple[str, object, dict, dict,
     for mode, n, k in ((0, 2048, 1024), (0, 3072, 2048), (1, 1024, 3072), (1, 2048, 6144), (2, 3072, 1024), (2, 6144, 2048)):
         t = config.tiles(f"linear{mode}", n, k, torch.float32)
         found.append((f"float32 linear{mode} N={n},K={k}", decode._linear_kernel, exact,
-                      dict(N=n, K=k, HAS_NORM=mode != 1, STORE_NORMED=False, HAS_BIAS=False, HAS_SCALE=False, MODE=mode, IEEE=True,
+                      dict(N=n, K=k, HAS_NORM=mode != 1, STORE_NORMED=False, HAS_BIAS=False, HAS_SCALE=False, MODE=mode, PRECISION="ieee",
                            BLOCK_M=decode.BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, **overlap, NEXT_LINES=0, LINE=32),
                       t.num_warps, t.num_stages, capability == (9, 0)))
     found += codec_transformer_launches(config, exact)
@@ -190,7 +190,7 @@ def codec_transformer_launches(config, exact: dict) -> list:
     """The vocoder transformer's kernels (pipeline.codec.transformer_kernels) at the Qwen3-TTS codec's and
     Qwen3-Omni code2wav's shapes (hidden 512 / 1024, FFN 1024 / 3072, 16 heads of 64, a 72-frame window):
     every vocoder call runs them, so none spills."""
-    from pipeline.codec.transformer_kernels import ATTENTION_WARPS, BLOCK_T, CODEC_TILES, _window_attention_kernel
+    from pipeline.codec.transformer_kernels import ATTENTION_WARPS, BLOCK_T, CODEC_PRECISION, CODEC_TILES, _window_attention_kernel
     from pipeline.kernels import decode
 
     found = []
@@ -202,14 +202,14 @@ def codec_transformer_launches(config, exact: dict) -> list:
                                               (2, ffn, hidden, True, False, False), (1, hidden, ffn, False, False, True),
                                               (0, 1024, hidden, True, True, False)):
             found.append((f"codec linear{mode} N={n},K={k}", decode._linear_kernel, exact,
-                          dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=False, HAS_BIAS=bias, HAS_SCALE=scale, MODE=mode, IEEE=True,
+                          dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=False, HAS_BIAS=bias, HAS_SCALE=scale, MODE=mode, PRECISION=CODEC_PRECISION,
                                BLOCK_M=decode.BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, OVERLAP=config.overlap,
                                NEXT_LINES=0, LINE=32), t.num_warps, t.num_stages, True))
     types = {**dict.fromkeys(["qkv_ptr", "k_tail_ptr", "v_tail_ptr", "cos_ptr", "sin_ptr", "out_ptr"], "*fp32"), "seen_ptr": "*i64",
              "tail_stride": "i32", "seen_stride": "i32", "T": "i32", "scale": "fp32"}
     found.append(("codec window attention", _window_attention_kernel, types,
                   dict(HISTORY=history, HEADS=heads, KV_HEADS=heads, HEAD_DIM=head_dim, HALF_BLOCK=head_dim // 2, DIM_BLOCK=head_dim,
-                       BLOCK_T=BLOCK_T, BLOCK_S=128, OVERLAP=config.overlap), ATTENTION_WARPS, 3, True))
+                       BLOCK_T=BLOCK_T, BLOCK_S=128, PRECISION=CODEC_PRECISION, OVERLAP=config.overlap), ATTENTION_WARPS, 3, True))
     return found
 
 

@@ -17,9 +17,9 @@ five kernels:
 4. post-attention RMSNorm, gate/up projection and SiLU(gate) * up (`linear` in mode 2);
 5. down projection, layer scale and residual add.
 
-Numerics are float32 throughout, the projections in exact float32 products (`ieee` dots, not
-TF32) and every rounding point where the PyTorch path has one; sums run in another order than
-cuBLAS's, so results agree with the PyTorch path to float rounding. Each stream's arithmetic
+Numerics are float32 throughout, every dot in 3xTF32 (float32 accuracy on the tensor cores, as the
+vocoder's convolutions) and every rounding point where the PyTorch path has one; sums run in
+another order than cuBLAS's, so results agree with the PyTorch path to float rounding. Each stream's arithmetic
 depends only on its own frames and state, in an order fixed by the call's shape, so a stream's
 audio does not depend on the other streams of a batched call.
 
@@ -57,6 +57,9 @@ BLOCK_T = 16  # query rows of an attention program (tl.dot's smallest tile): FUS
 # CUDA cores, so more programs (96 for the 512 x 1536 q/k/v weight) spread them over more SMs.
 ATTENTION_WARPS = 8  # the window's rotated keys and values stay in registers (4 warps spill them)
 CODEC_TILES = Tiles(block_n=32, block_k=64, num_warps=4, num_stages=2)
+# Every dot in 3xTF32 on the tensor cores, as the vocoder's convolutions (pipeline.codec.convolution):
+# float32 accuracy; exact float32 products ("ieee") run on the CUDA cores.
+CODEC_PRECISION = "tf32x3"
 
 
 def transformer_kernels_available(x: torch.Tensor) -> bool:
@@ -97,7 +100,7 @@ def fused_transformer(module: "DecoderTransformer", x: torch.Tensor, state: "Str
     if isinstance(module.output_proj, torch.nn.Linear):
         out = torch.empty(batch * frames, module.output_proj.out_features, dtype=h.dtype, device=h.device)
         linear(h, module.output_proj.weight, out, workspace, _config(h.device), norm=module.norm, bias=module.output_proj.bias,
-               shape=CODEC_TILES)
+               shape=CODEC_TILES, precision=CODEC_PRECISION)
         return out.view(batch, frames, -1)
     return module.output_proj(module.norm(h)).view(batch, frames, -1)
 
@@ -118,14 +121,14 @@ def _layer(layer: "DecoderLayer", h: torch.Tensor, batch: int, frames: int, seen
     config = _config(h.device)
     rows = h.shape[0]
     qkv = torch.empty(rows, attn.qkv_weight.shape[0], dtype=h.dtype, device=h.device)
-    linear(h, attn.qkv_weight, qkv, workspace, config, norm=layer.input_layernorm, bias=attn.qkv_bias, shape=CODEC_TILES)
+    linear(h, attn.qkv_weight, qkv, workspace, config, norm=layer.input_layernorm, bias=attn.qkv_bias, shape=CODEC_TILES, precision=CODEC_PRECISION)
     attended = torch.empty(rows, attn.heads * attn.head_dim, dtype=h.dtype, device=h.device)
     window_attention(attn, qkv, state, seen, cos, sin, attended, batch, frames, config)
     linear(attended, attn.o_proj.weight, h, workspace, config, mode=1, residual=h, bias=attn.o_proj.bias,
-           scale=layer.self_attn_layer_scale.scale, shape=CODEC_TILES)
+           scale=layer.self_attn_layer_scale.scale, shape=CODEC_TILES, precision=CODEC_PRECISION)
     gated = torch.empty(rows, mlp.down_proj.weight.shape[1], dtype=h.dtype, device=h.device)
-    linear(h, mlp.gate_up_weight, gated, workspace, config, norm=layer.post_attention_layernorm, mode=2, shape=CODEC_TILES)
-    linear(gated, mlp.down_proj.weight, h, workspace, config, mode=1, residual=h, scale=layer.mlp_layer_scale.scale, shape=CODEC_TILES)
+    linear(h, mlp.gate_up_weight, gated, workspace, config, norm=layer.post_attention_layernorm, mode=2, shape=CODEC_TILES, precision=CODEC_PRECISION)
+    linear(gated, mlp.down_proj.weight, h, workspace, config, mode=1, residual=h, scale=layer.mlp_layer_scale.scale, shape=CODEC_TILES, precision=CODEC_PRECISION)
 
 
 def window_attention(attn: torch.nn.Module, qkv: torch.Tensor, state: "StreamState", seen: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -142,7 +145,8 @@ def window_attention(attn: torch.nn.Module, qkv: torch.Tensor, state: "StreamSta
     launch(_window_attention_kernel, (batch, attn.kv_heads), qkv, k_tail, v_tail, k_tail.stride(0), seen, seen.stride(0), cos, sin, out, frames,
            attn.scale, HISTORY=attn.history, HEADS=attn.heads, KV_HEADS=attn.kv_heads, HEAD_DIM=attn.head_dim,
            HALF_BLOCK=max(16, triton.next_power_of_2(half)), DIM_BLOCK=max(16, triton.next_power_of_2(attn.head_dim)),
-           BLOCK_T=BLOCK_T, BLOCK_S=max(16, triton.next_power_of_2(attn.history + BLOCK_T)), num_warps=ATTENTION_WARPS, **launch_options(config, qkv.device))
+           BLOCK_T=BLOCK_T, BLOCK_S=max(16, triton.next_power_of_2(attn.history + BLOCK_T)), PRECISION=CODEC_PRECISION,
+           num_warps=ATTENTION_WARPS, **launch_options(config, qkv.device))
 
 
 if triton is not None:
@@ -170,7 +174,7 @@ if triton is not None:
     def _window_attention_kernel(qkv_ptr, k_tail_ptr, v_tail_ptr, tail_stride, seen_ptr, seen_stride, cos_ptr, sin_ptr, out_ptr, T, scale,
                                  HISTORY: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                  HALF_BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 OVERLAP: tl.constexpr):
+                                 PRECISION: tl.constexpr, OVERLAP: tl.constexpr):
         """Program (stream b, KV head): its query heads over the window [history | the call's T frames]
         (slot s is chunk-relative position s, query t is position HISTORY + t), then the history
         advanced: slots [T, T + HISTORY) of the window, before RoPE, become the stored history."""
@@ -208,11 +212,11 @@ if triton is not None:
             q1 = tl.load(qkv_ptr + q_rows + head * HEAD_DIM + offs_h[None, :], mask=q_mask, other=0.0)
             q2 = tl.load(qkv_ptr + q_rows + head * HEAD_DIM + HALF + offs_h[None, :], mask=q_mask, other=0.0)
             q1, q2 = _rotate(q1, q2, cos_ptr, sin_ptr, q_pos, offs_h, q_mask, HEAD_DIM)
-            scores = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
+            scores = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
             scores = tl.where(visible, scores * scale, float("-inf"))
             weights = tl.exp(scores - tl.max(scores, axis=1)[:, None])
             probs = weights / tl.sum(weights, axis=1)[:, None]
-            values = tl.dot(probs, v, input_precision="ieee")
+            values = tl.dot(probs, v, input_precision=PRECISION)
             out_mask = (offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM)
             tl.store(out_ptr + (b * T + offs_t)[:, None] * (HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :], values, mask=out_mask)
 

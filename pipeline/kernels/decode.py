@@ -113,16 +113,18 @@ def _input_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K: t
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    # float32 weights get exact float32 products (not TF32): the float32 path must match the eager one.
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+def _dot(a, b, PRECISION: tl.constexpr):
+    # PRECISION "": the operands' own (bf16 / fp16 tensor cores). For float32 operands "ieee": exact
+    # products (not TF32; the float32 parity path must match the eager one); "tf32x3": each operand a
+    # TF32 part and a TF32 remainder, three tensor-core products (float32 accuracy, the codec's speed).
+    if PRECISION == "":
+        return tl.dot(a, b)
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
 def _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, other_rows, rows_mask, pid_k, K: tl.constexpr, HAS_NORM: tl.constexpr,
-             TWO: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr, normed_ptr, STORE_NORMED: tl.constexpr,
+             TWO: tl.constexpr, PRECISION: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr, normed_ptr, STORE_NORMED: tl.constexpr,
              first_block):
     """RMSNorm?(x) tile @ w[rows]^T (and @ w[other_rows]^T if TWO: gate and up, a head's two halves)
     over this program's part of K, in float32; with STORE_NORMED, the programs of the first column
@@ -138,10 +140,10 @@ def _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, rows, ot
                 tl.store(normed_ptr + offs_m[:, None] * K + offs_k[None, :], a, mask=m_mask[:, None] & (offs_k[None, :] < K))
         w_mask = rows_mask[:, None] & (offs_k[None, :] < K)
         w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        first += _dot(a, tl.trans(w), IEEE)
+        first += _dot(a, tl.trans(w), PRECISION)
         if TWO:
             w = tl.load(w_ptr + other_rows[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-            second += _dot(a, tl.trans(w), IEEE)
+            second += _dot(a, tl.trans(w), PRECISION)
     return first, second
 
 
@@ -182,7 +184,7 @@ def _sum_splits(a, b, partial_ptr, lock_ptr, tile, split, arrivals, rows_mask, S
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, bias_ptr, scale_ptr, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N: tl.constexpr,
                    K: tl.constexpr, eps, HAS_NORM: tl.constexpr, STORE_NORMED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                   MODE: tl.constexpr, IEEE: tl.constexpr,
+                   MODE: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    next_ptr, next_size, OVERLAP: tl.constexpr, NEXT_LINES: tl.constexpr, LINE: tl.constexpr):
     """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ w^T); program (row block, column block, K split).
@@ -197,7 +199,7 @@ def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, bias_ptr, scale
     it); 2: w holds gate rows [0, N) then up rows [N, 2N): out = SiLU(gate) * up."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     wait_for_inputs(OVERLAP)
-    acc, up = _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N, K, eps, HAS_NORM, STORE_NORMED, MODE, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+    acc, up = _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N, K, eps, HAS_NORM, STORE_NORMED, MODE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
                            SPLIT_K, pid_m, pid_n, pid_k)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + pid_n) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
     _linear_finish(acc, up, bias_ptr, HAS_BIAS, scale_ptr, HAS_SCALE, res_ptr, out_ptr, partial_ptr, lock_ptr, M, N, MODE, BLOCK_M, BLOCK_N, SPLIT_K,
@@ -206,7 +208,7 @@ def _linear_kernel(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, bias_ptr, scale
 
 @triton.jit
 def _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N: tl.constexpr, K: tl.constexpr, eps, HAS_NORM: tl.constexpr,
-                 STORE_NORMED: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 STORE_NORMED: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, pid_n, pid_k):
     """Tile (pid_m, pid_n)'s sums over K split pid_k (see _linear_kernel): (acc, up), up for MODE 2."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -215,7 +217,7 @@ def _linear_sums(x_ptr, stride_x, norm_ptr, normed_ptr, w_ptr, M, N: tl.constexp
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:
         inv_rms = _inverse_rms(x_ptr, stride_x, offs_m, m_mask, K, eps, BLOCK_K)
-    return _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, IEEE,
+    return _project(x_ptr, stride_x, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, offs_n, N + offs_n, n_mask, pid_k, K, HAS_NORM, MODE == 2, PRECISION,
                     SPLIT_K, BLOCK_K, normed_ptr, STORE_NORMED, pid_n == 0)
 
 
@@ -271,7 +273,7 @@ def _linear_epilogue(acc, up, bias, HAS_BIAS: tl.constexpr, scale, HAS_SCALE: tl
 @triton.jit(do_not_specialize=["M"])  # as _linear_kernel
 def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                 partial_ptr, lock_ptr, M, K: tl.constexpr, L, eps, head_eps, cache_row, cache_head, cache_pos,
-                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                 next_ptr, next_size, OVERLAP: tl.constexpr, NEXT_LINES: tl.constexpr, LINE: tl.constexpr):
     """One head's projection of RMSNorm(x): program (block of rows, head), heads ordered q, k, v.
@@ -281,14 +283,14 @@ def _qkv_kernel(x_ptr, norm_ptr, w_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr
     against its second, so the two halves are accumulated apart. Program (row block, head, K split)."""
     pid_m, head, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     wait_for_inputs(OVERLAP)
-    first, second = _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K, eps, HEAD_DIM, IEEE, BLOCK_M, BLOCK_K, SPLIT_K, pid_m, head, pid_k)
+    first, second = _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K, eps, HEAD_DIM, PRECISION, BLOCK_M, BLOCK_K, SPLIT_K, pid_m, head, pid_k)
     _prefetch_share(next_ptr, (pid_m * tl.num_programs(1) + head) * SPLIT_K + pid_k, next_size, NEXT_LINES, LINE)
     _qkv_finish(first, second, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, lock_ptr, M, L,
                 head_eps, cache_row, cache_head, cache_pos, HEADS, KV_HEADS, HEAD_DIM, BLOCK_M, SPLIT_K, pid_m, head, pid_k)
 
 
 @triton.jit
-def _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K: tl.constexpr, eps, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K: tl.constexpr, eps, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_m, head, pid_k):
     """Head `head`'s two halves of RMSNorm(x) @ w^T for row block pid_m, over K split pid_k."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -297,7 +299,7 @@ def _qkv_sums(x_ptr, norm_ptr, w_ptr, M, K: tl.constexpr, eps, HEAD_DIM: tl.cons
     inv_rms = _inverse_rms(x_ptr, K, offs_m, m_mask, K, eps, BLOCK_K)
     j = tl.arange(0, HALF)
     return _project(x_ptr, K, norm_ptr, w_ptr, inv_rms, offs_m, m_mask, head * HEAD_DIM + j, head * HEAD_DIM + HALF + j, j < HALF, pid_k,
-                    K, True, True, IEEE, SPLIT_K, BLOCK_K, x_ptr, False, False)
+                    K, True, True, PRECISION, SPLIT_K, BLOCK_K, x_ptr, False, False)
 
 
 @triton.jit
@@ -585,6 +587,11 @@ class Workspace:
         return torch.zeros(numel, dtype=dtype, device=device)
 
 
+def exact_precision(dtype: torch.dtype) -> str:
+    """The dots' precision that rounds as the unfused path: exact products in float32, the dtype's own otherwise."""
+    return "ieee" if dtype == torch.float32 else ""
+
+
 def launch_options(config: KernelConfig, device: torch.device) -> dict:
     """Launch arguments of a kernel that waits with `wait_for_inputs`: overlapped (programmatic
     dependent launch) where `config` has it, on CUDA (Triton's interpreter launches one by one)."""
@@ -623,10 +630,12 @@ def _check_split(k: int, t: Tiles) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: Workspace, config: KernelConfig,
            norm: torch.nn.Module | None = None, mode: int = 0,
            residual: torch.Tensor | None = None, shape: Tiles | None = None, following: torch.Tensor | None = None,
-           normed: torch.Tensor | None = None, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+           normed: torch.Tensor | None = None, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+           precision: str | None = None) -> torch.Tensor:
     """out [M, N] = epilogue(RMSNorm?(x) [M, K] @ weight^T (+ bias) (* scale)); see _linear_kernel for `mode`.
     x's rows may be apart (x[:, -1] of [M, L, K]). `following`: the weight of the next matmul, asked
-    into L2 ahead of it. `normed` [M, K] (with `norm`): receives RMSNorm(x)."""
+    into L2 ahead of it. `normed` [M, K] (with `norm`): receives RMSNorm(x). `precision`: the dots'
+    (`_dot`; default `exact_precision`)."""
     m, k = x.shape
     assert x.stride(1) == 1 and (normed is None or (norm is not None and normed.is_contiguous()))
     n = out.shape[1]
@@ -638,7 +647,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: 
         x, x.stride(0), norm.weight if norm is not None else weight, normed if normed is not None else x, weight,
         bias if bias is not None else weight, scale if scale is not None else weight, residual if residual is not None else out, out, partial,
         locks, m, n, k, norm.eps if norm is not None else 0.0, HAS_NORM=norm is not None, STORE_NORMED=normed is not None,
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, MODE=mode, IEEE=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, MODE=mode, PRECISION=precision if precision is not None else exact_precision(x.dtype),
         BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages,
         **launch_options(config, x.device), **_prefetch(config, following, grid[0] * grid[1] * grid[2], weight))
     return out
@@ -659,7 +668,7 @@ def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, l
     launch(_qkv_kernel, grid,
         h, layer.input_layernorm.weight, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight, cos, sin, positions,
         q, cache.k, cache.v, partial, locks, m, hidden, length, layer.input_layernorm.eps, attn.q_norm.eps, *cache.k.stride()[:3],
-        HEADS=attn.heads, KV_HEADS=attn.kv_heads, HEAD_DIM=attn.head_dim, IEEE=h.dtype == torch.float32, BLOCK_M=BLOCK_M,
+        HEADS=attn.heads, KV_HEADS=attn.kv_heads, HEAD_DIM=attn.head_dim, PRECISION=exact_precision(h.dtype), BLOCK_M=BLOCK_M,
         BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(config, h.device),
         **_prefetch(config, following, grid[0] * grid[1] * grid[2], attn.qkv_proj.weight))
 
