@@ -86,11 +86,11 @@ def matmul_launches(config) -> dict:
         if following and weight_bytes <= config.bandwidth_bound_bytes:
             lines = prefetch_shares(following, 2, programs, config.l2_prefetch_bytes)[1]
         if kind == "qkv":
-            constants = dict(K=k, HEADS=HEADS, KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM, PRECISION="", BLOCK_M=BLOCK_M, BLOCK_K=t.block_k,
+            constants = dict(K=k, HEADS=HEADS, KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM, PRECISION="tf32", BLOCK_M=BLOCK_M, BLOCK_K=t.block_k,
                              SPLIT_K=t.split_k)
         else:
             mode = int(kind[-1])
-            constants = dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=normed, HAS_BIAS=bias, HAS_SCALE=False, MODE=mode, PRECISION="", BLOCK_M=BLOCK_M,
+            constants = dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=normed, HAS_BIAS=bias, HAS_SCALE=False, MODE=mode, PRECISION="tf32", BLOCK_M=BLOCK_M,
                              BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, out=logits)
         key = (kind, tuple(sorted(constants.items())), t.num_warps, t.num_stages)
         found[key] = max(found.get(key, 0), lines)

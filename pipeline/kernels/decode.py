@@ -114,11 +114,9 @@ def _input_tile(x_ptr, stride_x, norm_ptr, inv_rms, offs_m, m_mask, offs_k, K: t
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr):
-    # PRECISION "": the operands' own (bf16 / fp16 tensor cores). For float32 operands "ieee": exact
-    # products (not TF32; the float32 parity path must match the eager one); "tf32x3": each operand a
-    # TF32 part and a TF32 remainder, three tensor-core products (float32 accuracy, the codec's speed).
-    if PRECISION == "":
-        return tl.dot(a, b)
+    # For float32 operands (bf16 / fp16 ones ignore it): "ieee" exact products (not TF32; the float32
+    # parity path must match the eager one); "tf32x3" each operand a TF32 part and a TF32 remainder,
+    # three tensor-core products (float32 accuracy, the codec's speed); "tf32" Triton's default.
     return tl.dot(a, b, input_precision=PRECISION)
 
 
@@ -588,8 +586,8 @@ class Workspace:
 
 
 def exact_precision(dtype: torch.dtype) -> str:
-    """The dots' precision that rounds as the unfused path: exact products in float32, the dtype's own otherwise."""
-    return "ieee" if dtype == torch.float32 else ""
+    """The dots' precision that rounds as the unfused path: exact products in float32 (other dtypes' dots ignore it)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def launch_options(config: KernelConfig, device: torch.device) -> dict:
