@@ -53,9 +53,9 @@ if TYPE_CHECKING:  # pipeline.codec.decoder imports this module
 
 FUSED_FRAMES = 16  # frames of a stream per pass through the layers: the largest vocoder call
 BLOCK_T = 16  # query rows of an attention program (tl.dot's smallest tile): FUSED_FRAMES fit one
-# Narrow column blocks: a one-frame call's projections are 16-row tiles of float32 products on the
-# CUDA cores, so more programs (96 for the 512 x 1536 q/k/v weight) spread them over more SMs.
 ATTENTION_WARPS = 8  # the window's rotated keys and values stay in registers (4 warps spill them)
+# The projections' tiles: 16-row blocks (every launch of `linear`), 32 columns (96 programs for the
+# 512 x 1536 q/k/v weight); 16 or 64 columns were within 0.1 ms a vocoder call of it on an H200.
 CODEC_TILES = Tiles(block_n=32, block_k=64, num_warps=4, num_stages=2)
 # Every dot in 3xTF32 on the tensor cores, as the vocoder's convolutions (pipeline.codec.convolution):
 # float32 accuracy; exact float32 products ("ieee") run on the CUDA cores.
