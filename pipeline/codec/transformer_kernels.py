@@ -30,14 +30,13 @@ the same computation.
 """
 from __future__ import annotations
 
-import weakref
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.ahead import launch
-from pipeline.kernels import fused_available
+from pipeline.kernels import fused_available, workspace_of
 from pipeline.kernels.config import KernelConfig, Tiles
 
 try:
@@ -68,11 +67,6 @@ def transformer_kernels_available(x: torch.Tensor) -> bool:
     return triton is not None and x.dtype == torch.float32 and fused_available(x.device)
 
 
-# Split-K partial sums and counters of a transformer's projections, which `linear` takes: CODEC_TILES never
-# split, so the vocoder's lanes, which run at once on their streams, share one without touching it.
-_WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 @lru_cache(maxsize=None)
 def _config(device: torch.device) -> KernelConfig:
     return KernelConfig.for_device(device)
@@ -81,10 +75,12 @@ def _config(device: torch.device) -> KernelConfig:
 def fused_transformer(module: "DecoderTransformer", x: torch.Tensor, state: "StreamState") -> torch.Tensor:
     """`module`'s forward (x [B, T, latent_dim] -> [B, T, latent_dim]) in these kernels; the stream
     state (each layer's history, the frames seen) advanced as the PyTorch path advances it."""
-    from pipeline.kernels.decode import Workspace, linear
+    from pipeline.kernels.decode import linear
 
     batch, frames, _ = x.shape
-    workspace = _WORKSPACES.setdefault(module, Workspace())
+    # The split-K workspace `linear` takes: CODEC_TILES never split, so the vocoder's lanes, which run at
+    # once on their streams, share the transformer's without touching it.
+    workspace = workspace_of(module)
     h = module.input_proj(x).reshape(batch * frames, module.config.hidden_size)
     if h.data_ptr() == x.data_ptr():
         h = h.clone()  # the residual stream is updated in place; the caller's x is not

@@ -98,7 +98,7 @@ def fused_decode_logits(model: Transformer, x: torch.Tensor, positions: torch.Te
     rows, length, hidden = x.shape
     last = _layers(model, x, positions, config, following=head).view(rows, length, hidden)[:, -1]
     logits = torch.empty(rows, head.shape[0], dtype=torch.float32, device=x.device)
-    return linear(last, head, logits, _workspace(model), config, norm=model.norm, normed=normed)
+    return linear(last, head, logits, workspace_of(model), config, norm=model.norm, normed=normed)
 
 
 @torch.inference_mode()
@@ -110,7 +110,7 @@ def fused_linear(model: Transformer, module: torch.nn.Linear, x: torch.Tensor, o
     from pipeline.kernels.decode import linear
 
     rows, length, features = x.shape
-    linear(x.view(rows * length, features), module.weight, out.view(rows * length, -1), _workspace(model), config, bias=module.bias,
+    linear(x.view(rows * length, features), module.weight, out.view(rows * length, -1), workspace_of(model), config, bias=module.bias,
            following=model.layers[0].self_attn.qkv_proj.weight)
     return out
 
@@ -121,7 +121,7 @@ def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor, config
     `following`: the weight of the matmul after the last layer (an output head)."""
     from pipeline.kernels.decode import decoder_layer
 
-    workspace = _workspace(model)
+    workspace = workspace_of(model)
     rows, length, hidden = x.shape
     source = x.reshape(rows * length, hidden).contiguous()
     # The residual stream: the first layer reads x and writes it, the others update it in place (no copy of x).
@@ -134,11 +134,12 @@ def _layers(model: Transformer, x: torch.Tensor, positions: torch.Tensor, config
     return h
 
 
-def _workspace(model: Transformer) -> "Workspace":
+def workspace_of(model: torch.nn.Module) -> "Workspace":
     """`model`'s split-K workspace (one per model: two models' steps may run at once)."""
     from pipeline.kernels.decode import Workspace
 
-    return _WORKSPACES.setdefault(model, Workspace())
+    workspace = _WORKSPACES.get(model)
+    return workspace if workspace is not None else _WORKSPACES.setdefault(model, Workspace())
 
 
 def fused_prefill(model: Transformer, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
