@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.codec.config import DecoderConfig, EncoderConfig, SpeechTokenizerConfig
+from pipeline.codec.transformer_kernels import FUSED_FRAMES
 from pipeline.config_types import check_config
 from pipeline.errors import CheckpointError, TTSInputError
 from pipeline.model import CodePredictorConfig, TalkerConfig, TTSConfig
@@ -233,12 +234,14 @@ def codec_encoder_elements(c: EncoderConfig) -> int:
 
 def window_transformer_elements(c: DecoderConfig) -> int:
     """`pipeline.codec.decoder.DecoderTransformer`'s layers and norm (not its latent projections): each layer's
-    separate projections with their fused copies (q/k/v, gate/up), two norms and two layer scales."""
+    separate projections with their fused copies (q/k/v, gate/up), two norms and two layer scales; and the
+    RoPE tables its kernels read (cos and sin of the window and a 16-frame pass)."""
     h, heads, kv, d, bias = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias
     qkv = (heads + 2 * kv) * d
     attention = linear(h, heads * d, bias) + 2 * linear(h, kv * d, bias) + linear(heads * d, h, bias) + linear(h, qkv, bias)
     mlp = 3 * linear(h, c.intermediate_size) + linear(h, 2 * c.intermediate_size)
-    return c.num_hidden_layers * (attention + mlp + 4 * h) + h
+    rope = 2 * (c.sliding_window - 1 + FUSED_FRAMES) * d
+    return c.num_hidden_layers * (attention + mlp + 4 * h) + h + rope
 
 
 def convnext_elements(dim: int) -> int:
