@@ -126,15 +126,12 @@ def markdown(report: dict) -> str:
     timing = (f"each call a CUDA graph, the median of {RUNS} runs of {report['calls']} calls" if report["codec"] == "released"
               else f"PyTorch's ops, the mean of {report['calls']} calls")
     lines = [f"### {report['gpu']} — {report['date']}: the vocoder", "",
-             f"torch {report['torch']}; `{report['command']}`; {report['codec']} codec, random weights, float32; {timing}.", "",
-             ]
-    pytorch = report.get("pytorch_transformer_calls_ms")
-    if pytorch:
-        lines += ["| call | ms | ms, transformer in PyTorch's ops |", "|---|---|---|"]
-        lines += [f"| {name} | {ms:.2f} | {pytorch[name]:.2f} |" for name, ms in report["calls_ms"].items()]
-    else:
-        lines += ["| call | ms |", "|---|---|"]
-        lines += [f"| {name} | {ms:.2f} |" for name, ms in report["calls_ms"].items()]
+             f"torch {report['torch']}; `{report['command']}`; {report['codec']} codec, random weights, float32; {timing}.", ""]
+    columns = {"ms": report["calls_ms"]}
+    if report.get("pytorch_transformer_calls_ms"):
+        columns["ms, transformer in PyTorch's ops"] = report["pytorch_transformer_calls_ms"]
+    lines += ["| call | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(f"{times[name]:.2f}" for times in columns.values()) + " |" for name in report["calls_ms"]]
     if report.get("profile"):
         p = report["profile"]
         lines += ["", f"One batched call of {p['slots']} streams, eager: {p['kernel_ms']:.2f} ms of kernels in {p['launches']} launches.", "",
