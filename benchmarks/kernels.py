@@ -7,7 +7,8 @@ where the fused frame's time goes (kernel time by kind, and the launch gaps betw
 and how near the two are numerically: in float32 the codes must be identical, in bf16 the share
 of equal codes and the waveform error over one utterance. `--ablation` times the fused step's
 launch options and paths; `--sweep` times each kernel's tiles alone, `--step-sweep` in the whole
-step (the tiles in pipeline.kernels.config.HOPPER_TILES come from it); `--sampling` and `--attention`
+step (the tiles in pipeline.kernels.config.HOPPER_TILES come from it), `--wide-sweep` the columns and
+stages of launches over more than 16 rows (HOPPER_WIDE_TILES); `--sampling` and `--attention`
 time those kernels alone; `--profile` says where the step's time goes. Every variant is an engine
 built with its own `KernelConfig` (the GPU's, `dataclasses.replace`d).
 """
@@ -381,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-sweep", action="store_true",
                         help="only tune the tiles in the step: each weight shape's alternatives timed in the whole decode step (1 row)")
     parser.add_argument("--shapes", nargs="+", type=weight_shape, metavar="KIND,N,K",
-                        help="with --step-sweep: only these weight shapes (e.g. linear2,6144,2048); default every shape the step launches")
+                        help="with --step-sweep or --wide-sweep: only these weight shapes (e.g. linear2,6144,2048); default every shape the step launches")
+    parser.add_argument("--wide-sweep", action="store_true",
+                        help="only the step at 17 / 32 / 64 rows running (engine of 64 rows) with each weight shape's launches over more than "
+                             "16 rows in other columns or stages, one shape at a time")
     parser.add_argument("--sampling", action="store_true", help="only the sampling kernel alone, top-k on and off, per vocabulary")
     parser.add_argument("--attention", action="store_true", help="only the talker's attention alone, per chunking and context length")
     parser.add_argument("--profile", action="store_true",
@@ -413,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
                 report["timeline"][size] = frame_shares(size, workdir, config, args.rows)
                 report["profile"][size] = serial_profile(size, workdir, config, args.rows)
             write_report(args.out, "profile-" + "-".join(args.sizes), report, profile_markdown(report))
+            return 0
+        if args.wide_sweep:
+            report = {**report_header("benchmarks.kernels", argv), "wide_sweep": {}}
+            for size in args.sizes:
+                report["wide_sweep"][size] = wide_sweep(size, workdir, config, args.shapes)
+                write_report(args.out, "wide-sweep-" + "-".join(args.sizes), report, wide_sweep_markdown(report))
             return 0
         if args.step_sweep:
             report = {**report_header("benchmarks.kernels", argv), "step_sweep": {}}
@@ -499,9 +509,9 @@ class RecordingConfig(KernelConfig):
 
     asked: set = dataclasses.field(default_factory=set, hash=False, compare=False)
 
-    def tiles(self, kind: str, n: int, k: int, dtype: torch.dtype) -> Tiles:
+    def tiles(self, kind: str, n: int, k: int, dtype: torch.dtype, rows: int = 1) -> Tiles:
         self.asked.add((kind, n, k))
-        return super().tiles(kind, n, k, dtype)
+        return super().tiles(kind, n, k, dtype, rows)
 
 
 def step_sweep(size: str, workdir: Path, config: KernelConfig, shapes: set[tuple[str, int, int]] | None = None) -> tuple[dict, KernelConfig]:
@@ -537,6 +547,49 @@ def step_sweep_markdown(report: dict) -> str:
                   "| shape (kernel, N, K) | tiles before | tiles kept | step ms when kept |", "|---|---|---|---|"]
         lines += [f"| {shape} | {kept['before']} | {kept['after']} | {kept['ms']:.3f} |" for shape, kept in result["kept"].items()]
         lines.append("")
+    return "\n".join(lines)
+
+
+WIDE_ROWS_RUNNING = (17, 32, 64)
+
+
+def wide_alternatives(current: Tiles) -> list[Tiles]:
+    """Tiles for launches over more than 16 rows that keep a row's sums (`current`'s block_k and split_k):
+    16, 32 or 64 columns, in the current stages or in 2."""
+    found = {dataclasses.replace(current, block_n=n, num_stages=stages) for n in (16, 32, 64) for stages in {current.num_stages, 2}}
+    return sorted(found - {current}, key=lambda t: (t.block_n, t.num_stages))
+
+
+def wide_sweep(size: str, workdir: Path, config: KernelConfig, shapes: set[tuple[str, int, int]] | None = None) -> dict:
+    """The step at WIDE_ROWS_RUNNING rows running (engine of 64 rows) with `config`, then with each matmul
+    shape's wide launches (of `shapes` only, if given) in each `wide_alternatives` tile (the q/k/v kernel's
+    columns are a head's: its stages only), one shape at a time, then `config` again (the spread of the
+    measurement)."""
+    recording = RecordingConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(KernelConfig)})
+    on_own_engine(size, workdir, recording, lambda tts: None, 64)
+
+    def timed(wide: dict) -> list[float]:
+        engine_config = dataclasses.replace(config, wide=MappingProxyType({**config.wide, **wide}))
+        return on_own_engine(size, workdir, engine_config, lambda tts: [step_ms(tts, n) for n in WIDE_ROWS_RUNNING], 64)
+
+    result = {"rows": list(WIDE_ROWS_RUNNING), "base_ms": timed({}), "tiles": {}}
+    for kind, n, k in sorted(recording.asked & shapes if shapes else recording.asked):
+        current = config.tiles(kind, n, k, torch.bfloat16, rows=64)
+        options = [t for t in wide_alternatives(current) if kind != "qkv" or t.block_n == current.block_n]
+        result["tiles"][str((kind, n, k))] = {"current": str(current), "tried": {str(t): timed({(kind, n, k): t}) for t in options}}
+    result["base_again_ms"] = timed({})
+    return result
+
+
+def wide_sweep_markdown(report: dict) -> str:
+    lines = [f"# Tiles of launches over more than 16 rows — {report['gpu']}, {report['date']}", "", f"`{report['command']}`", ""]
+    for size, result in report["wide_sweep"].items():
+        rows = " / ".join(str(r) for r in result["rows"])
+        lines += [f"## {size}: step ms at {rows} rows running (engine of 64 rows)", "", "| shape (kernel, N, K) | tiles | step ms |", "|---|---|---|",
+                  f"| all as configured | | {' / '.join(f'{ms:.3f}' for ms in result['base_ms'])} |"]
+        for shape, swept in result["tiles"].items():
+            lines += [f"| {shape} | {tiles} | {' / '.join(f'{ms:.3f}' for ms in times)} |" for tiles, times in swept["tried"].items()]
+        lines += [f"| all as configured, again | | {' / '.join(f'{ms:.3f}' for ms in result['base_again_ms'])} |", ""]
     return "\n".join(lines)
 
 

@@ -69,7 +69,8 @@ def stack_bytes(cubin: bytes) -> int:
 
 def matmul_launches(config) -> dict:
     """(kernel, constexprs) -> launch of every q/k/v and matmul kernel the models' decode steps make
-    with `config`, at one row (one block of rows: the most prefetch lines per program)."""
+    with `config`, at one row (one block of rows: the most prefetch lines per program) and, where their
+    tiles differ (`KernelConfig.wide`), at 64 rows."""
     import torch
 
     from pipeline.kernels.decode import BLOCK_M, prefetch_shares
@@ -78,7 +79,10 @@ def matmul_launches(config) -> dict:
 
     def add(kind: str, n: int, k: int, rows: int, following: int, *, norm=False, normed=False, bias=False, logits=False):
         """A launch over `rows` tokens of weight [n, k] (kind "qkv" or "linear<mode>"), then a weight of `following` elements."""
-        t = config.tiles(kind, n, k, torch.bfloat16)
+        t = config.tiles(kind, n, k, torch.bfloat16, rows)
+        wide = t != config.tiles(kind, n, k, torch.bfloat16)
+        if rows > BLOCK_M and not wide:
+            return
         row_blocks = -(-rows // BLOCK_M)
         programs = row_blocks * (HEADS + 2 * KV_HEADS if kind == "qkv" else -(-n // t.block_n)) * t.split_k
         weight_bytes = n * k * 2 * (2 if kind == "linear2" else 1)
@@ -87,29 +91,30 @@ def matmul_launches(config) -> dict:
             lines = prefetch_shares(following, 2, programs, config.l2_prefetch_bytes)[1]
         if kind == "qkv":
             constants = dict(K=k, HEADS=HEADS, KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM, PRECISION="tf32", BLOCK_M=BLOCK_M, BLOCK_K=t.block_k,
-                             SPLIT_K=t.split_k)
+                             SPLIT_K=t.split_k, wide=wide)
         else:
             mode = int(kind[-1])
             constants = dict(N=n, K=k, HAS_NORM=norm, STORE_NORMED=normed, HAS_BIAS=bias, HAS_SCALE=False, MODE=mode, PRECISION="tf32", BLOCK_M=BLOCK_M,
-                             BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, out=logits)
+                             BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k, out=logits, wide=wide)
         key = (kind, tuple(sorted(constants.items())), t.num_warps, t.num_stages)
         found[key] = max(found.get(key, 0), lines)
 
-    for hidden, ffn in TALKERS.values():
-        qkv, o, gate_up, down = 4096 * hidden, hidden * 2048, 2 * ffn * hidden, hidden * ffn
-        add("qkv", 4096, hidden, 1, o)
-        add("linear1", hidden, 2048, 1, gate_up)
-        add("linear2", ffn, hidden, 1, down, norm=True)
-        add("linear1", hidden, ffn, 1, max(qkv, TALKER_VOCAB * hidden))
-        add("linear0", TALKER_VOCAB, hidden, 1, 0, norm=True, normed=True, logits=True)
-    h, i = PREDICTOR["H"], PREDICTOR["I"]
-    for tokens in (2, 1):  # a frame's first step (the talker's state and codebook 0), then one token a step
-        add("linear0", h, 2048, tokens, 4096 * h, bias=True)  # the 1.7B's input projection
-        add("qkv", 4096, h, tokens, h * 2048)
-        add("linear1", h, 2048, tokens, 2 * i * h)
-        add("linear2", i, h, tokens, h * i, norm=True)
-        add("linear1", h, i, tokens, max(4096 * h, PREDICTOR["V"] * h))
-    add("linear0", PREDICTOR["V"], h, 1, 0, norm=True, logits=True)
+    for rows in (1, 64):
+        for hidden, ffn in TALKERS.values():
+            qkv, o, gate_up, down = 4096 * hidden, hidden * 2048, 2 * ffn * hidden, hidden * ffn
+            add("qkv", 4096, hidden, rows, o)
+            add("linear1", hidden, 2048, rows, gate_up)
+            add("linear2", ffn, hidden, rows, down, norm=True)
+            add("linear1", hidden, ffn, rows, max(qkv, TALKER_VOCAB * hidden))
+            add("linear0", TALKER_VOCAB, hidden, rows, 0, norm=True, normed=True, logits=True)
+        h, i = PREDICTOR["H"], PREDICTOR["I"]
+        for tokens in (2, 1):  # a frame's first step (the talker's state and codebook 0), then one token a step
+            add("linear0", h, 2048, rows * tokens, 4096 * h, bias=True)  # the 1.7B's input projection
+            add("qkv", 4096, h, rows * tokens, h * 2048)
+            add("linear1", h, 2048, rows * tokens, 2 * i * h)
+            add("linear2", i, h, rows * tokens, h * i, norm=True)
+            add("linear1", h, i, rows * tokens, max(4096 * h, PREDICTOR["V"] * h))
+        add("linear0", PREDICTOR["V"], h, rows, 0, norm=True, logits=True)
     return found
 
 
@@ -132,8 +137,10 @@ def launches(capability: tuple[int, int]) -> list[tuple[str, object, dict, dict,
     for (kind, constants, warps, stages), lines in matmul_launches(config).items():
         constants = dict(constants)
         out = "*fp32" if constants.pop("out", False) else "*bf16"
+        wide = constants.pop("wide")
         fn = decode._qkv_kernel if kind == "qkv" else decode._linear_kernel
         name = f"{kind} " + ",".join(f"{k}={v}" for k, v in constants.items() if k in ("N", "K", "SPLIT_K", "BLOCK_N", "BLOCK_K"))
+        name += f", over more than {decode.BLOCK_M} rows in {stages} stages" if wide else ""
         found.append((name, fn, {**matmul, "out_ptr": out}, {**constants, **overlap, "NEXT_LINES": lines, "LINE": 64}, warps, stages, True))
     # float32 (parity runs, never for speed): wide column blocks, twice the bytes a tile; spill-free on
     # Hopper, where the GPU tests run them (on sm_80 they spill 32-128 bytes a thread)
@@ -246,6 +253,26 @@ def test_the_configuration_states_the_guides_shared_memory_per_block():
 
     assert {c: shared_memory_per_block(c) for c in ARCHITECTURES.values()} == SHARED_MEMORY_LIMIT
     assert shared_memory_per_block((8, 7)) == SHARED_MEMORY_LIMIT[(8, 0)] and shared_memory_per_block((12, 1)) == SHARED_MEMORY_LIMIT[(12, 0)]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_launches_over_many_rows_keep_the_order_of_a_rows_sums(arch):
+    """Every architecture's tiles for a launch over more than 16 rows differ from the shape's own in
+    columns and stages only: the same depth per iteration and K splits, so a row's sums are added in the
+    same order alone and among others; and the wide sweep tries no other."""
+    import torch
+
+    from benchmarks.kernels import wide_alternatives
+    from pipeline.kernels.config import KernelConfig
+
+    config = KernelConfig.for_architecture(ARCHITECTURES[arch])
+    assert config.wide
+    for kind, n, k in config.wide:
+        narrow, wide = config.tiles(kind, n, k, torch.bfloat16), config.tiles(kind, n, k, torch.bfloat16, rows=17)
+        assert wide != narrow and (wide.block_k, wide.split_k) == (narrow.block_k, narrow.split_k), (kind, n, k)
+        assert config.tiles(kind, n, k, torch.bfloat16, rows=16) == narrow
+        for t in wide_alternatives(narrow):
+            assert (t.block_k, t.split_k, t.num_warps) == (narrow.block_k, narrow.split_k, narrow.num_warps) and t != narrow
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -52,7 +52,7 @@ def shared_memory_per_block(capability: tuple[int, int]) -> int:
 
 # Tiles per (kernel, N, K), bf16, on Hopper (227 KB of shared memory a block); 16 x 256 tiles, 4 warps,
 # 3 stages elsewhere. Split-K wins wherever a weight has few column blocks (q/k/v: 32 heads; o and
-# down: 1,024-2,048 columns). The choice depends on the weight's shape only, never on the batch.
+# down: 1,024-2,048 columns). A row's sums (block_k, split_k) depend on the weight's shape only, never on the batch.
 # Chosen in the whole decode step (`python -m benchmarks.kernels --step-sweep`, H200), not by timing
 # each kernel alone (`--sweep`): a kernel's time in the step depends on its neighbours, which launch
 # while it runs and share its SMs. Against the tiles fastest alone, the frame takes 3.25 ms instead of
@@ -70,6 +70,19 @@ HOPPER_TILES: dict[tuple[str, int, int], Tiles] = {
     ("linear0", 2048, 1024): Tiles(block_n=32),  # the code predictor's heads
     ("linear0", 3072, 1024): Tiles(num_stages=4),  # the 0.6B's talker head
 }
+# Tiles per (kernel, N, K) of a launch over more than BLOCK_ROWS rows (several 16-row blocks), where they
+# differ from the shape's: only the columns a program takes and its pipeline stages, which do not change
+# a sum (columns are tiled apart; stages only prefetch), never block_k or split_k, which order a row's sums:
+# a row keeps its bits alone and among others. Chosen with `python -m benchmarks.kernels --wide-sweep` (H200,
+# one shape at a time; step ms at 17 / 32 / 64 rows running, 1.7B 5.95 / 6.02 / 8.89 as tuned for 16 rows):
+HOPPER_WIDE_TILES: dict[tuple[str, int, int], Tiles] = {
+    # gate/up of every code predictor and the 0.6B talker: 5.83 / 5.90 / 8.63 (0.6B 5.09 / 5.15 / 7.34 -> 4.96 / 5.04 / 7.01)
+    ("linear2", 3072, 1024): Tiles(block_n=32, num_stages=2),
+    # o projection, 0.6B and every code predictor: 5.93 / 5.98 / 8.80 (0.6B -> 4.99 / 5.06 / 7.26)
+    ("linear1", 1024, 2048): Tiles(block_n=64, block_k=128, split_k=4),
+}
+BLOCK_ROWS = 16  # rows of the batch a matmul program takes (pipeline.kernels.decode.BLOCK_M)
+
 # Where Hopper's choices do not fit another architecture (each compiled for it by
 # tests/test_kernel_architectures.py; not timed on those GPUs). The 1.7B's gate/up tile 32 columns wide
 # (64 spill registers on sm_80; 32 measured 0.02 ms a frame slower on an H200); with 99 KB, the 0.6B's gate/up in 3 stages, not 4 (106 KB: two weight tiles a stage).
@@ -81,7 +94,8 @@ SMALL_SHARED_TILES: dict[tuple[str, int, int], Tiles] = {**A100_TILES, ("linear2
 class KernelConfig:
     """The fused kernels' launch choices for one architecture (see the module's docstring).
 
-    `tuned`: bf16 / fp16 tiles per (kernel, N, K) (others: `Tiles(block_k=...)`, the default);
+    `tuned`: bf16 / fp16 tiles per (kernel, N, K) (others: `Tiles(block_k=...)`, the default); `wide`:
+    those of launches over more than BLOCK_ROWS rows, where they differ (same block_k and split_k);
     `overlap`: overlapped launches (programmatic dependent launch, compute capability 9.0 on);
     `l2_prefetch_bytes`: at most this much of the next matmul's weights asked into L2 ahead of
     time; `bandwidth_bound_bytes`: a matmul that reads more than this of its own weights asks for
@@ -92,6 +106,7 @@ class KernelConfig:
 
     capability: tuple[int, int] = (9, 0)
     tuned: Mapping[tuple[str, int, int], Tiles] = field(default_factory=lambda: MappingProxyType(HOPPER_TILES), hash=False)
+    wide: Mapping[tuple[str, int, int], Tiles] = field(default_factory=lambda: MappingProxyType(HOPPER_WIDE_TILES), hash=False)
     overlap: bool = True
     # Under half the L2 of an H100 / H200 (50 MB), so lines are not pushed out before they are read.
     l2_prefetch_bytes: int = 24 << 20
@@ -152,8 +167,9 @@ class KernelConfig:
         return ((not self.overlap or tuple(capability) >= (9, 0))
                 and shared_memory_per_block(self.capability) <= shared_memory_per_block(tuple(capability)))
 
-    def tiles(self, kind: str, n: int, k: int, dtype: torch.dtype) -> Tiles:
-        """The tiles of matmul kernel `kind` ("qkv", "linear0/1/2": its epilogue mode) for a weight [n, k]."""
+    def tiles(self, kind: str, n: int, k: int, dtype: torch.dtype, rows: int = 1) -> Tiles:
+        """The tiles of matmul kernel `kind` ("qkv", "linear0/1/2": its epilogue mode) for a weight [n, k],
+        in a launch over `rows` rows."""
         if dtype == torch.float32:
             # float32 runs for parity (GPU checks, the CPU tests in Triton's interpreter, whose time grows
             # with the programs of a launch), never for speed: wide column blocks, few programs (gate/up's
@@ -161,6 +177,9 @@ class KernelConfig:
             # q/k/v kernel's pipelined weight tiles must fit in shared memory.
             widest = 64 if kind == "linear2" else 128
             return Tiles(block_n=min(widest, max(16, _next_power_of_2(n))), block_k=min(64, _next_power_of_2(k)), num_stages=2)
+        wide = self.wide.get((kind, n, k)) if rows > BLOCK_ROWS else None
+        if wide is not None:
+            return wide
         found = self.tuned.get((kind, n, k))
         return found if found is not None else Tiles(block_k=min(256, _next_power_of_2(k)))
 

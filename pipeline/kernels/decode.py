@@ -49,9 +49,9 @@ import triton
 import triton.language as tl
 
 from pipeline.ahead import launch
-from pipeline.kernels.config import KernelConfig, Tiles
+from pipeline.kernels.config import BLOCK_ROWS, KernelConfig, Tiles
 
-BLOCK_M = 16  # rows of the batch per program, whatever the batch: a row's arithmetic never depends on the batch size
+BLOCK_M = BLOCK_ROWS  # rows of the batch per program, whatever the batch: a row's arithmetic never depends on the batch size
 NORM_BLOCK = 256
 ATTENTION_BLOCK = 128  # cache positions per iteration of the attention loop
 
@@ -637,7 +637,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: 
     m, k = x.shape
     assert x.stride(1) == 1 and (normed is None or (norm is not None and normed.is_contiguous()))
     n = out.shape[1]
-    t = shape or config.tiles(f"linear{mode}", n, k, x.dtype)
+    t = shape or config.tiles(f"linear{mode}", n, k, x.dtype, m)
     _check_split(k, t)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, t.block_n), t.split_k)
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * t.block_n, x.device)
@@ -659,7 +659,7 @@ def qkv_rope(layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor, l
     attn = layer.self_attn
     cache = attn.kv_cache
     m, hidden = h.shape
-    t = shape or config.tiles("qkv", attn.qkv_proj.weight.shape[0], hidden, h.dtype)
+    t = shape or config.tiles("qkv", attn.qkv_proj.weight.shape[0], hidden, h.dtype, m)
     _check_split(hidden, t)
     grid = (triton.cdiv(m, BLOCK_M), attn.heads + 2 * attn.kv_heads, t.split_k)
     partial, locks = workspace.get(grid[0] * grid[1], t.split_k, BLOCK_M * attn.head_dim // 2, h.device)
